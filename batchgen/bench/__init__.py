@@ -1,0 +1,1 @@
+"""Benchmarks behind `batchgen bench`. Shared helpers live in batchgen/bench/common.py."""

@@ -1,0 +1,1 @@
+"""Embedding and clustering of prompts by task type. Knows nothing of the engine."""

@@ -1,0 +1,46 @@
+"""What the engine returns for a request."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass
+class CompletionOutput:
+    """One of the n completions of a request."""
+
+    index: int
+    text: str
+    token_ids: list[int]
+    finish_reason: str | None  # "stop" | "length" | None while running
+    stop_reason: str | int | None = None  # the stop string or token id that ended it
+
+
+@dataclass
+class RequestOutput:
+    """The result of one request. `error` is set (and `outputs` empty) when the engine
+    rejected this request alone, e.g. a prompt longer than the model's context."""
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = True
+    error: str | None = None
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass
+class Request:
+    """An input to `LLM.stream`: an id the caller chooses, the prompt as text or token ids,
+    and its sampling parameters. `group` is a hint for the scheduler (e.g. a task cluster):
+    it prefers to admit requests of the group that dominates the running batch."""
+
+    request_id: str
+    prompt: str | list[int]
+    sampling_params: object | None = None
+    group: int | None = None
