@@ -30,7 +30,9 @@ class Linear(nn.Module):
         self.format = (quant_config or NoQuant()).format_for(prefix, in_features, out_features)
         self.format.create_weights(self, in_features, out_features, params_dtype)
         if bias:
-            self.bias = nn.Parameter(torch.empty(out_features, dtype=params_dtype), requires_grad=False)
+            self.bias = nn.Parameter(
+                torch.empty(out_features, dtype=params_dtype), requires_grad=False
+            )
         else:
             self.bias = None
 
