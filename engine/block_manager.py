@@ -1,0 +1,35 @@
+"""Fixed-size KV cache blocks: a free list and per-sequence block tables."""
+
+from __future__ import annotations
+
+from collections import deque
+
+from engine.sequence import Sequence
+
+
+class BlockManager:
+    def __init__(self, num_blocks: int, block_size: int) -> None:
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.free: deque[int] = deque(range(num_blocks))
+
+    def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
+        """Blocks to add so the sequence can hold `num_tokens` tokens in total."""
+        want = -(-num_tokens // self.block_size)
+        return max(0, want - len(seq.block_table))
+
+    def can_grow(self, seq: Sequence, num_tokens: int) -> bool:
+        return self.blocks_needed(seq, num_tokens) <= len(self.free)
+
+    def grow(self, seq: Sequence, num_tokens: int) -> None:
+        for _ in range(self.blocks_needed(seq, num_tokens)):
+            seq.block_table.append(self.free.popleft())
+
+    def release(self, seq: Sequence) -> None:
+        self.free.extend(seq.block_table)
+        seq.block_table = []
+        seq.num_computed = 0
+
+    @property
+    def num_free(self) -> int:
+        return len(self.free)

@@ -1,0 +1,58 @@
+"""Engine settings chosen by the user, resolved once at start-up."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_DTYPES = {
+    "float32": torch.float32,
+    "fp32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "bf16": torch.bfloat16,
+    "float16": torch.float16,
+    "fp16": torch.float16,
+}
+
+
+@dataclass
+class EngineConfig:
+    model: str
+    device: str = "auto"
+    dtype: str = "auto"
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    kv_cache_memory: int | None = None  # bytes; None: a share of what the device has free
+    max_model_len: int | None = None
+    seed: int = 0
+    record_routing: bool = False
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens < 1:
+            raise ValueError(
+                f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
+            )
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise ValueError(f"unknown dtype {self.dtype!r}; use auto or one of {sorted(_DTYPES)}")
+
+    def resolved_device(self) -> torch.device:
+        if self.device == "auto":
+            return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+        device = torch.device(self.device)
+        if device.type == "cuda" and not torch.cuda.is_available():
+            raise ValueError("device 'cuda' was asked for but no CUDA GPU is available")
+        return device
+
+    def resolved_dtype(self, device: torch.device) -> torch.dtype:
+        if self.dtype != "auto":
+            return _DTYPES[self.dtype]
+        # CPUs without bf16 matrix units run float32 faster; GPUs run bf16.
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+
+    @property
+    def explicit_dtype(self) -> torch.dtype | None:
+        return None if self.dtype == "auto" else _DTYPES[self.dtype]

@@ -1,0 +1,73 @@
+"""Paged multi-head / grouped-query attention in plain torch (the CPU path and the
+reference the GPU kernels are tested against).
+
+Each layer's cache is one tensor [num_blocks, block_size, 2, Hk, Dh] (K and V). New
+tokens are written at ctx.slot_mapping, then each query attends causally over its own
+sequence's cached tokens, gathered through the block table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from engine.layers.attention_context import AttentionContext
+
+
+def write_kv(cache: torch.Tensor, ctx: AttentionContext, k: torch.Tensor, v: torch.Tensor) -> None:
+    flat = cache.view(-1, *cache.shape[2:])  # [slots, 2, Hk, Dh]
+    flat[ctx.slot_mapping] = torch.stack((k, v), dim=1).to(cache.dtype)
+
+
+def gather_context_slots(ctx: AttentionContext, device: torch.device) -> torch.Tensor:
+    """[B, Lmax] flat cache slots of every context token of each sequence (0 past the end)."""
+    lmax = ctx.max_context_len
+    offsets = torch.arange(lmax, device=device)
+    blocks = ctx.block_tables[:, offsets // ctx.block_size].long()  # [B, Lmax]
+    return blocks * ctx.block_size + (offsets % ctx.block_size)
+
+
+def paged_attention(
+    q: torch.Tensor, cache: torch.Tensor, ctx: AttentionContext, scale: float
+) -> torch.Tensor:
+    """q [T, H, Dh] -> out [T, H, Dh], causal over each sequence's cached context."""
+    T, H, Dh = q.shape
+    B = ctx.num_seqs
+    Hk = cache.shape[3]
+    group = H // Hk
+    flat = cache.view(-1, *cache.shape[2:])
+    slots = gather_context_slots(ctx, q.device)  # [B, L]
+    kv = flat[slots]  # [B, L, 2, Hk, Dh]
+    k = kv[:, :, 0].float().transpose(1, 2)  # [B, Hk, L, Dh]
+    v = kv[:, :, 1].float().transpose(1, 2)
+    L = slots.shape[1]
+
+    if ctx.is_decode:
+        qb = q.float().view(B, Hk, group, Dh)  # one query per sequence
+        scores = torch.einsum("bkgd,bkld->bkgl", qb, k) * scale  # [B, Hk, G, L]
+        ctx_lens = ctx.context_lens.to(q.device)
+        pad = torch.arange(L, device=q.device)[None, :] >= ctx_lens[:, None]  # [B, L]
+        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        out = torch.einsum("bkgl,bkld->bkgd", scores.softmax(-1), v)
+        return out.reshape(T, H, Dh).to(q.dtype)
+
+    # Mixed prefill/decode step: pad queries per sequence to the longest chunk.
+    qmax = max(ctx.query_lens_host)
+    out = torch.empty(T, H, Dh, dtype=q.dtype, device=q.device)
+    qpad = q.new_zeros(B, qmax, H, Dh, dtype=torch.float32)
+    starts = ctx.cu_query_lens.tolist()
+    for b in range(B):
+        qpad[b, : ctx.query_lens_host[b]] = q[starts[b] : starts[b + 1]].float()
+    qb = qpad.view(B, qmax, Hk, group, Dh).permute(0, 2, 3, 1, 4)  # [B, Hk, G, Q, Dh]
+    scores = torch.einsum("bkgqd,bkld->bkgql", qb, k) * scale  # [B, Hk, G, Q, L]
+    qlens = torch.tensor(ctx.query_lens_host, device=q.device)
+    clens = torch.tensor(ctx.context_lens_host, device=q.device)
+    qpos = (clens - qlens)[:, None] + torch.arange(qmax, device=q.device)[None, :]  # [B, Q]
+    kpos = torch.arange(L, device=q.device)
+    allowed = kpos[None, None, :] <= qpos[:, :, None]  # [B, Q, L]; also bounds by length
+    scores.masked_fill_(~allowed[:, None, None], float("-inf"))
+    probs = scores.softmax(-1).nan_to_num_(0.0)  # padded query rows have no keys
+    res = torch.einsum("bkgql,bkld->bkgqd", probs, v).permute(0, 3, 1, 2, 4)  # [B,Q,Hk,G,Dh]
+    res = res.reshape(B, qmax, H, Dh)
+    for b in range(B):
+        out[starts[b] : starts[b + 1]] = res[b, : ctx.query_lens_host[b]].to(q.dtype)
+    return out

@@ -1,0 +1,203 @@
+"""The step loop: schedule -> run -> postprocess, and the bookkeeping of requests."""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from engine.block_manager import BlockManager
+from engine.config import EngineConfig
+from engine.model_runner import ModelRunner
+from engine.outputs import CompletionOutput, RequestOutput
+from engine.sampling_params import SamplingParams
+from engine.scheduler import Scheduler
+from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+_SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, index) pairs over the generator's seed space
+
+
+@dataclass
+class _RequestState:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    seqs: list[Sequence]
+    arrival: float = field(default_factory=time.monotonic)
+    first_token: float | None = None
+
+
+class LLMEngine:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.runner = ModelRunner(config)
+        self.tokenizer = self.runner.source.tokenizer
+        self.max_model_len = self.runner.max_model_len
+        self.scheduler = Scheduler(
+            BlockManager(self.runner.num_blocks, config.block_size),
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+        )
+        self.requests: dict[str, _RequestState] = {}
+        self._unseeded = 0
+        self.num_steps = 0
+        self.routing_recorder = None
+        if config.record_routing:
+            from engine.routing_stats import RoutingRecorder
+
+            self.routing_recorder = RoutingRecorder()
+            self.runner.model.routing_recorder = self.routing_recorder
+
+    # -- requests -------------------------------------------------------------------
+    def add_request(
+        self,
+        request_id: str,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        prompt: str | None = None,
+        group: int | None = None,
+    ) -> RequestOutput | None:
+        """Queue a request. Returns an error RequestOutput at once when this request alone
+        cannot run (empty prompt, longer than the context); the others go on."""
+        if request_id in self.requests:
+            raise ValueError(f"request id {request_id!r} is already in the engine")
+        error = None
+        if not prompt_token_ids:
+            error = "empty prompt: it has no tokens"
+        elif len(prompt_token_ids) >= self.max_model_len:
+            error = (
+                f"prompt has {len(prompt_token_ids)} tokens; the model's context is "
+                f"{self.max_model_len} tokens and must leave room for at least one new token"
+            )
+        if error:
+            return RequestOutput(request_id, prompt, list(prompt_token_ids), [], True, error)
+        seqs = [
+            Sequence(request_id, i, prompt_token_ids, params, self._generator(params, i), group)
+            for i in range(params.n)
+        ]
+        self.requests[request_id] = _RequestState(request_id, prompt, list(prompt_token_ids), seqs)
+        for seq in seqs:
+            self.scheduler.add(seq)
+        return None
+
+    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+        if params.greedy:
+            return None
+        if params.seed is not None:
+            seed = (params.seed * _SEED_MIX + index) % (1 << 63)
+        else:
+            self._unseeded += 1
+            seed = (self.config.seed * _SEED_MIX + self._unseeded) % (1 << 63)
+        return torch.Generator(device=self.runner.device).manual_seed(seed)
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_work()
+
+    @property
+    def num_waiting(self) -> int:
+        return len(self.scheduler.waiting)
+
+    # -- the loop -------------------------------------------------------------------
+    def step(self) -> list[RequestOutput]:
+        finished: list[RequestOutput] = []
+        for seq in self.scheduler.abort_unrunnable():
+            finished.extend(self._fail(seq.request_id, "sequence does not fit the KV cache"))
+        batch = self.scheduler.schedule()
+        if not batch.seqs:
+            if self.scheduler.has_work():
+                raise RuntimeError(
+                    "scheduler made no progress: KV cache too small for any sequence"
+                )
+            return finished
+        if self.routing_recorder is not None:
+            self.routing_recorder.begin_step(sum(batch.num_tokens), batch.is_decode)
+        new_tokens = self.runner.run(batch)
+        self.num_steps += 1
+        now = time.monotonic()
+        for seq in batch.seqs:
+            token = new_tokens.get(seq.seq_id)
+            if token is None:
+                continue
+            seq.token_ids.append(token)
+            state = self.requests[seq.request_id]
+            state.first_token = state.first_token or now
+            if self._check_finished(seq, token):
+                self.scheduler.finish(seq)
+                if all(s.is_finished for s in state.seqs):
+                    finished.append(self._output(state, now))
+        return finished
+
+    def _check_finished(self, seq: Sequence, token: int) -> bool:
+        p = seq.params
+        n_out = seq.num_output_tokens
+        if n_out >= p.min_tokens:
+            if not p.ignore_eos and token in self.runner.eos_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", None
+                return True
+            if token in p.stop_token_ids:
+                seq.finish_reason, seq.stop_reason = "stop", token
+                return True
+            if p.stop and self._stop_string_hit(seq):
+                return True
+        if n_out >= p.max_tokens or len(seq) >= self.max_model_len:
+            seq.finish_reason = "length"
+            return True
+        return False
+
+    def _stop_string_hit(self, seq: Sequence) -> bool:
+        # Decode the whole output so a stop string split across tokens is seen; only the
+        # tail that the newest token could have completed is searched.
+        previous = len(seq.text)
+        seq.text = self._decode(seq, seq.output_token_ids)
+        longest = max(len(s) for s in seq.params.stop)
+        start = max(0, previous - longest)
+        hits = [(seq.text.find(s, start), s) for s in seq.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return False
+        index, stop = min(hits)
+        seq.text = seq.text[:index]
+        seq.finish_reason, seq.stop_reason = "stop", stop
+        return True
+
+    def _decode(self, seq: Sequence, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=seq.params.skip_special_tokens)
+
+    def _completion(self, seq: Sequence) -> CompletionOutput:
+        ids = seq.output_token_ids
+        if isinstance(seq.stop_reason, str):
+            text = seq.text  # already cut at the stop string
+        else:
+            shown = ids[:-1] if isinstance(seq.stop_reason, int) else ids
+            text = self._decode(seq, shown)
+        return CompletionOutput(seq.index, text, list(ids), seq.finish_reason, seq.stop_reason)
+
+    def _output(self, state: _RequestState, now: float) -> RequestOutput:
+        del self.requests[state.request_id]
+        completions = [self._completion(s) for s in sorted(state.seqs, key=lambda s: s.index)]
+        metrics = {
+            "arrival_time": state.arrival,
+            "first_token_latency_s": (state.first_token or now) - state.arrival,
+            "latency_s": now - state.arrival,
+            "completion_tokens": sum(len(c.token_ids) for c in completions),
+        }
+        return RequestOutput(
+            state.request_id, state.prompt, state.prompt_token_ids, completions, True, None, metrics
+        )
+
+    def _fail(self, request_id: str, message: str) -> list[RequestOutput]:
+        state = self.requests.pop(request_id, None)
+        if state is None:
+            return []
+        for seq in state.seqs:
+            if seq in self.scheduler.waiting:
+                self.scheduler.waiting.remove(seq)
+            elif seq in self.scheduler.running:
+                self.scheduler.finish(seq)
+        return [RequestOutput(request_id, state.prompt, state.prompt_token_ids, [], True, message)]

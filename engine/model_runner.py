@@ -1,0 +1,159 @@
+"""Loads the model, owns its KV cache, and runs one scheduled batch: inputs are
+flattened, the model runs once, and the sequences that finished their pending tokens
+get a sampled next token."""
+
+from __future__ import annotations
+
+import logging
+
+import psutil
+import torch
+
+from engine.config import EngineConfig
+from engine.layers.attention_context import AttentionContext
+from engine.loader import ModelSource, open_model_source
+from engine.models.base import CausalLM
+from engine.models.registry import model_class_for
+from engine.sampler import sample
+from engine.scheduler import ScheduledBatch
+from engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+class ModelRunner:
+    def __init__(self, config: EngineConfig) -> None:
+        self.config = config
+        self.device = config.resolved_device()
+        self.dtype = config.resolved_dtype(self.device)
+        self.source: ModelSource = open_model_source(config.model, dtype=config.explicit_dtype)
+        self.model = self._build_model(self.source)
+        self.max_model_len = min(
+            self.model.max_model_len, config.max_model_len or self.model.max_model_len
+        )
+        self.block_size = config.block_size
+        self.num_blocks = self._allocate_kv_cache()
+
+    def _build_model(self, source: ModelSource) -> CausalLM:
+        cls = model_class_for(source.config)
+        previous = torch.get_default_dtype()
+        torch.set_default_dtype(self.dtype)
+        try:
+            with torch.device(self.device):
+                model = cls(source.config, source.quant_config)
+        finally:
+            torch.set_default_dtype(previous)
+        model.load_weights(source.iter_weights())
+        return model.eval()
+
+    def _allocate_kv_cache(self) -> int:
+        specs = self.model.cache_specs()
+        per_token = sum(s.bytes_per_token(self.dtype) for s in specs)
+        budget = self.config.kv_cache_memory
+        if budget is None:
+            if self.device.type == "cuda":
+                free, _ = torch.cuda.mem_get_info(self.device)
+                budget = int(free * 0.85)
+            else:
+                budget = min(2 << 30, int(psutil.virtual_memory().available * 0.25))
+        num_blocks = budget // (per_token * self.block_size)
+        if num_blocks < 2:
+            raise ValueError(
+                f"kv_cache_memory of {budget} bytes holds fewer than 2 blocks of "
+                f"{self.block_size} tokens ({per_token} bytes per token); give it more memory"
+            )
+        self.kv_caches = [
+            torch.empty(
+                num_blocks,
+                self.block_size,
+                *s.shape,
+                dtype=s.dtype or self.dtype,
+                device=self.device,
+            )
+            for s in specs
+        ]
+        self.model.bind_kv_cache(self.kv_caches)
+        log.info(
+            "KV cache: %d blocks of %d tokens (%.1f MiB)",
+            num_blocks,
+            self.block_size,
+            num_blocks * self.block_size * per_token / 2**20,
+        )
+        return num_blocks
+
+    def prepare(self, batch: ScheduledBatch):
+        ids: list[int] = []
+        positions: list[int] = []
+        slots: list[int] = []
+        qlens: list[int] = []
+        clens: list[int] = []
+        bs = self.block_size
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start = seq.num_computed
+            ids.extend(seq.token_ids[start : start + n])
+            positions.extend(range(start, start + n))
+            table = seq.block_table
+            slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
+            qlens.append(n)
+            clens.append(start + n)
+        width = max(len(s.block_table) for s in batch.seqs)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        dev = self.device
+        cu = [0]
+        for n in qlens:
+            cu.append(cu[-1] + n)
+        ctx = AttentionContext(
+            block_size=bs,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            cu_query_lens=torch.tensor(cu, dtype=torch.int32, device=dev),
+            context_lens=torch.tensor(clens, dtype=torch.int32, device=dev),
+            block_tables=torch.tensor(tables, dtype=torch.int32, device=dev),
+            query_lens_host=qlens,
+            context_lens_host=clens,
+            is_decode=all(n == 1 for n in qlens),
+        )
+        input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
+        pos = torch.tensor(positions, dtype=torch.long, device=dev)
+        return input_ids, pos, ctx
+
+    @torch.inference_mode()
+    def run(self, batch: ScheduledBatch) -> dict[int, int]:
+        """Run the batch; returns {seq_id: next token} for the sequences that sample."""
+        input_ids, positions, ctx = self.prepare(batch)
+        hidden = self.model(input_ids, positions, ctx)  # [T, D]
+        rows: list[int] = []
+        sampling: list[Sequence] = []
+        end = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            end += n
+            if seq.num_computed + n == len(seq):
+                rows.append(end - 1)
+                sampling.append(seq)
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            seq.num_computed += n
+        if not sampling:
+            return {}
+        logits = self.model.compute_logits(hidden[rows])  # [N, V]
+        banned = [self._banned(s) for s in sampling]
+        tokens = sample(
+            logits,
+            [s.params for s in sampling],
+            [s.generator for s in sampling],
+            banned if any(banned) else None,
+        )
+        return {s.seq_id: t for s, t in zip(sampling, tokens)}
+
+    def _banned(self, seq: Sequence) -> list[int]:
+        if seq.num_output_tokens >= seq.params.min_tokens:
+            return []
+        return list(seq.params.stop_token_ids) + list(self.eos_token_ids)
+
+    @property
+    def eos_token_ids(self) -> list[int]:
+        tok = self.source.tokenizer
+        if tok is not None and tok.eos_token_ids:
+            return list(tok.eos_token_ids)
+        eos = self.source.config.get("eos_token_id")
+        if eos is None:
+            return []
+        return list(eos) if isinstance(eos, list) else [eos]

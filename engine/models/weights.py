@@ -1,0 +1,68 @@
+"""Strict, streamed weight loading shared by the model families."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import torch
+from torch import nn
+
+
+class CheckpointMismatch(ValueError):
+    """The checkpoint's tensors do not match the model's parameters."""
+
+
+def _fmt(names: list[str], limit: int = 20) -> str:
+    shown = ", ".join(sorted(names)[:limit])
+    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
+
+
+def load_strict(
+    module: nn.Module,
+    weights: Iterable[tuple[str, torch.Tensor]],
+    rename: Callable[[str], str | None] = lambda name: name,
+    optional: Callable[[str], bool] = lambda name: False,
+) -> None:
+    """Copy each (name, tensor) into the parameter or persistent buffer of that name.
+
+    `rename` maps a checkpoint name to a parameter name (None: skip it on purpose).
+    Unexpected names, shape mismatches and parameters never filled (unless `optional`)
+    raise CheckpointMismatch naming them. Tensors are consumed one at a time, so the
+    checkpoint is never held twice in memory.
+    """
+    targets: dict[str, torch.Tensor] = dict(module.named_parameters())
+    for name, buf in module.named_buffers():
+        owner, _, leaf = name.rpartition(".")
+        sub = module.get_submodule(owner) if owner else module
+        if leaf not in sub._non_persistent_buffers_set:
+            targets[name] = buf
+    unexpected: list[str] = []
+    filled: set[str] = set()
+    for ckpt_name, tensor in weights:
+        name = rename(ckpt_name)
+        if name is None:
+            continue
+        target = targets.get(name)
+        if target is None:
+            unexpected.append(ckpt_name)
+            continue
+        if tuple(target.shape) != tuple(tensor.shape):
+            raise CheckpointMismatch(
+                f"tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
+                f"the model expects {tuple(target.shape)}"
+            )
+        with torch.no_grad():
+            target.copy_(tensor)
+        filled.add(name)
+    missing = [n for n in targets if n not in filled and not optional(n)]
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_fmt(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_fmt(unexpected)}")
+    if problems:
+        raise CheckpointMismatch("checkpoint does not match the model; " + "; ".join(problems))
+    for sub in module.modules():
+        hook = getattr(sub, "process_weights_after_loading", None)
+        if callable(hook) and sub is not module:
+            hook()

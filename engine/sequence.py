@@ -1,0 +1,68 @@
+"""One sequence being generated: its tokens, cache blocks, sampling state."""
+
+from __future__ import annotations
+
+import enum
+from itertools import count
+
+import torch
+
+from engine.sampling_params import SamplingParams
+
+
+class Status(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+_ids = count()
+
+
+class Sequence:
+    """A prompt plus the tokens generated so far. `num_computed` tokens already have
+    their K/V in the cache; the rest are computed by the next steps (chunked prefill, or
+    after a preemption that freed the cache, recomputation)."""
+
+    def __init__(
+        self,
+        request_id: str,
+        index: int,
+        prompt_token_ids: list[int],
+        params: SamplingParams,
+        generator: torch.Generator | None,
+        group: int | None = None,
+    ) -> None:
+        self.seq_id = next(_ids)
+        self.request_id = request_id
+        self.index = index  # which of the request's n completions this is
+        self.token_ids = list(prompt_token_ids)
+        self.num_prompt_tokens = len(prompt_token_ids)
+        self.params = params
+        self.generator = generator
+        self.group = group
+        self.status = Status.WAITING
+        self.num_computed = 0
+        self.block_table: list[int] = []
+        self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None
+        self.text = ""  # detokenized output (kept current only when stop strings need it)
+
+    def __len__(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens :]
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def num_uncomputed(self) -> int:
+        return len(self.token_ids) - self.num_computed
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is Status.FINISHED
