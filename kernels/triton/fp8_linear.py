@@ -1,0 +1,127 @@
+"""FP8 block-scaled linear: y [M, N] = x [M, K] @ W^T, W stored as E4M3 codes [N, K] with
+one scale per 128x128 block (DeepSeek V3 `weight_scale_inv` float32, or V4 E8M0 uint8).
+
+The default path loads the 1-byte codes, converts them to bf16 in registers (exact) and
+never writes a bf16 weight to memory; it runs on any GPU Triton supports (Ampere too).
+`native_fp8=True` (Hopper and newer) quantizes the activations per token per 128 block and
+multiplies E4M3 x E4M3 on the tensor cores, behind the same call.
+
+Decode shapes (small M) are bandwidth-bound: the grid splits N and, when N alone gives too
+few programs to keep every SM streaming, also K (float32 partials summed afterwards, so the
+result is deterministic).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kernels.triton import configs
+from kernels.triton._common import check_device, interpreting
+from kernels.triton._fp8_linear_kernels import act_quant_kernel, fp8_block_linear_kernel
+
+OP = "fp8_linear"
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type == "cuda":
+        return torch.cuda.get_device_properties(device).multi_processor_count
+    return 4
+
+
+def default_config(m: int, n: int, k: int, device: torch.device) -> dict:
+    """Heuristic used when the tuned table has no entry for this shape."""
+    if m <= 32:
+        block_m, block_n, block_k = 16, 64, 128
+        n_tiles = triton.cdiv(n, block_n)
+        k_steps = triton.cdiv(k, block_k)
+        # Enough programs for ~4 waves of one per SM; each split still streams >= 4 steps.
+        split = max(1, min(triton.cdiv(4 * _sm_count(device), n_tiles), k_steps // 4))
+        return dict(
+            BLOCK_M=block_m,
+            BLOCK_N=block_n,
+            BLOCK_K=block_k,
+            SPLIT_K=split,
+            num_warps=4,
+            num_stages=4,
+        )
+    block_m = 64 if m <= 64 else 128
+    return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=8, num_stages=3)
+
+
+def shape_key(m: int, n: int, k: int, native_fp8: bool) -> str:
+    return f"M{configs.m_bucket(m)}_N{n}_K{k}" + ("_native" if native_fp8 else "")
+
+
+def choose_config(m: int, n: int, k: int, device: torch.device, native_fp8: bool) -> dict:
+    cfg = configs.lookup(OP, shape_key(m, n, k, native_fp8), device)
+    return cfg if cfg is not None else default_config(m, n, k, device)
+
+
+def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [M, K] -> (E4M3 codes [M, K], float32 scales [M, ceil(K/128)]), per token per 128."""
+    assert x.dim() == 2 and x.stride(-1) == 1, f"act_quant needs a row-major [M, K], got {x.shape}"
+    check_device(x)
+    m, k = x.shape
+    nkb = triton.cdiv(k, 128)
+    q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((m, nkb), dtype=torch.float32, device=x.device)
+    if m:
+        act_quant_kernel[(m, nkb)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), BLOCK=128)
+    return q, s
+
+
+def fp8_block_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    native_fp8: bool = False,
+    config: dict | None = None,
+) -> torch.Tensor:
+    """x [..., K] bf16/fp16; weight [N, K] float8_e4m3fn; scale [ceil(N/128), ceil(K/128)]
+    float32 (V3) or uint8 E8M0 (V4). Returns [..., N] in x's dtype."""
+    assert weight.dtype == torch.float8_e4m3fn, f"weight must be float8_e4m3fn, got {weight.dtype}"
+    assert weight.dim() == 2 and weight.stride(-1) == 1, "weight must be a row-major [N, K]"
+    n, k = weight.shape
+    assert x.shape[-1] == k, f"x has K={x.shape[-1]} but weight is [N={n}, K={k}]"
+    assert x.dtype in (torch.bfloat16, torch.float16), f"x must be bf16/fp16, got {x.dtype}"
+    nkb, nnb = triton.cdiv(k, 128), triton.cdiv(n, 128)
+    assert scale.shape == (nnb, nkb), f"scale must be [{nnb}, {nkb}], got {list(scale.shape)}"
+    assert scale.dtype in (torch.float32, torch.uint8), (
+        f"scale must be float32 or uint8 (E8M0), got {scale.dtype}"
+    )
+    assert scale.stride(-1) == 1, "scale must be row-major"
+    check_device(x, weight, scale)
+
+    lead = x.shape[:-1]
+    x2 = x.reshape(-1, k)
+    if x2.stride(-1) != 1:
+        x2 = x2.contiguous()
+    m = x2.shape[0]
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    if m == 0:
+        return y.reshape(*lead, n)
+    cfg = dict(config) if config is not None else choose_config(m, n, k, x.device, native_fp8)
+    assert 128 % cfg["BLOCK_K"] == 0, f"BLOCK_K must divide 128, got {cfg['BLOCK_K']}"
+
+    if native_fp8:
+        xin, xs = act_quant(x2)
+    else:
+        xin, xs = x2, x2  # xs is unused when NATIVE_FP8 is off
+    split = cfg["SPLIT_K"]
+    out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+    fp8_block_linear_kernel[grid](
+        xin, xs, weight, scale, out,
+        m, n, k,
+        xin.stride(0), weight.stride(0), scale.stride(0), xs.stride(0),
+        out.stride(0) if split > 1 else 0, n,
+        SCALE_E8M0=scale.dtype == torch.uint8,
+        NATIVE_FP8=native_fp8,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        SPLIT_K=split, F32_DOT=interpreting(),
+        num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
+    )  # fmt: skip
+    if split > 1:
+        y = out.sum(dim=0).to(x.dtype)
+    return y.reshape(*lead, n)
