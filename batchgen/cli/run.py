@@ -1,0 +1,55 @@
+"""`batchgen run JOB`: run or resume a job. Exit codes: 0 all ok, 3 finished with errors
+within the budget, 4 budget exceeded, 5 interrupted (rerun to resume), 2 job refused."""
+
+from __future__ import annotations
+
+import logging
+import sys
+
+import click
+
+from batchgen.job_spec import JobError, load_job
+
+
+def setup_logging() -> None:
+    logging.basicConfig(
+        level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr
+    )
+
+
+def refuse(exc: JobError) -> None:
+    click.echo(f"error: {exc}", err=True)
+    sys.exit(2)
+
+
+@click.command("run")
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--new-run", is_flag=True, help="Start over if the job changed (old run kept).")
+@click.option("--retry-errors", is_flag=True, help="Run the rows that failed before again.")
+@click.option(
+    "--progress-interval",
+    type=float,
+    default=10.0,
+    show_default=True,
+    help="Seconds between JSON progress lines when not on a terminal.",
+)
+def run_cmd(job_file: str, new_run: bool, retry_errors: bool, progress_interval: float) -> None:
+    """Run JOB_FILE; the same command after a crash resumes where it stopped."""
+    from batchgen.progress import Progress
+    from batchgen.run import run_job
+    from batchgen.run_dir import RunDir
+
+    setup_logging()
+    try:
+        job = load_job(job_file)
+        progress = Progress(RunDir(job.output.path).progress_file, interval=progress_interval)
+        outcome = run_job(
+            job, job_file, new_run=new_run, retry_errors=retry_errors, progress=progress
+        )
+    except JobError as exc:
+        refuse(exc)
+    click.echo(outcome.message)
+    sys.exit(outcome.exit_code)
+
+
+commands = [run_cmd]

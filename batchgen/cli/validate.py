@@ -1,0 +1,39 @@
+"""`batchgen validate JOB`: the checks and counts of a run, without running the job."""
+
+from __future__ import annotations
+
+import click
+
+from batchgen.cli.run import refuse, setup_logging
+from batchgen.job_spec import JobError, load_job
+
+
+@click.command("validate")
+@click.argument("job_file", type=click.Path(dir_okay=False))
+@click.option("--no-calibrate", is_flag=True, help="Skip the short timing run of the model.")
+def validate_cmd(job_file: str, no_calibrate: bool) -> None:
+    """Check JOB_FILE and count rows and tokens; estimate the run time."""
+    from batchgen.job_context import open_job
+    from batchgen.resume import check_run_dir
+    from batchgen.run import load_llm, make_renderer
+    from batchgen.validate import calibrate, count_rows
+
+    setup_logging()
+    try:
+        job = load_job(job_file)
+        ctx = open_job(job)
+        check_run_dir(job, new_run=False)
+        llm = load_llm(job)
+        renderer = make_renderer(ctx, llm)
+    except JobError as exc:
+        refuse(exc)
+    report = count_rows(ctx, renderer)
+    if not no_calibrate:
+        calibrate(ctx, renderer, llm, report)
+    click.echo(f"job {job_file}: ok (fingerprint {job.fingerprint})")
+    click.echo(f"model: {llm.model_name}, context {llm.max_model_len} tokens")
+    for line in report.lines():
+        click.echo(line)
+
+
+commands = [validate_cmd]

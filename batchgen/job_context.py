@@ -1,0 +1,84 @@
+"""Everything checked and derived from a job before any work: the input opened and its ids
+checked, the columns the template needs, the carried columns and their output names, the
+model path. `run`, `validate` and `render` all start here; a JobError from here means exit
+2 with nothing written."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+
+from batchgen.job_spec import JobError, JobSpec
+from batchgen.planner import cluster_mode
+from batchgen.reader import ParquetInput
+from batchgen.render import template_columns
+from batchgen.writer import output_column_for, result_schema
+
+
+@dataclass
+class JobContext:
+    job: JobSpec
+    input: ParquetInput
+    carry_map: dict[str, str]  # input column -> output column
+    schema: pa.Schema  # of the result parts
+    total_rows: int
+
+
+def check_model_path(path: str) -> None:
+    """A model is a local directory, a GGUF file, or an alias the engine's catalog knows."""
+    if Path(path).exists():
+        return
+    try:
+        from engine.loader.catalog import list_models
+    except ImportError:
+        list_models = None
+    if list_models is not None and any(m["name"] == path for m in list_models()):
+        return
+    raise JobError(
+        f"model.path: '{path}' is neither an existing directory or file nor a known model "
+        "alias (see `batchgen models list`)"
+    )
+
+
+def open_job(job: JobSpec, check_ids: bool = True) -> JobContext:
+    """Check the job against its input and model without running anything."""
+    source = ParquetInput(job.input)
+    names = source.schema.names
+    used = template_columns(job.prompt.template)
+    missing = sorted(used - set(names))
+    if missing:
+        raise JobError(
+            f"prompt.template: refers to column(s) {missing} that the input does not have "
+            f"(columns: {names})"
+        )
+    needed = sorted(used)
+    if cluster_mode(job.batching) == "column":
+        if job.batching.cluster not in names:
+            raise JobError(
+                f"batching.cluster: '{job.batching.cluster}' is not auto, off, or an input "
+                f"column (columns: {names})"
+            )
+        needed.append(job.batching.cluster)
+    source.add_columns(needed)
+    carry_inputs = source.value_columns()
+    if job.output.carry_columns is not None:
+        for col in job.output.carry_columns:
+            if col not in names:
+                raise JobError(
+                    f"output.carry_columns: column '{col}' not found in the input ({names})"
+                )
+        carry_inputs = [c for c in job.output.carry_columns if c != source.id_source]
+        source.add_columns(carry_inputs)
+    carry_map = {c: output_column_for(c) for c in carry_inputs}
+    carry_fields = [pa.field(out, source.schema.field(col).type) for col, out in carry_map.items()]
+    check_model_path(job.model.path)
+    total = source.check_ids() if check_ids else source.count_rows()
+    return JobContext(
+        job=job,
+        input=source,
+        carry_map=carry_map,
+        schema=result_schema(carry_fields),
+        total_rows=total,
+    )

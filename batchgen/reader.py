@@ -1,0 +1,174 @@
+"""Parquet input, read batch by batch (never a whole file), and the checks that must pass
+before a job runs: files exist, the columns are there, ids are present and unique."""
+
+from __future__ import annotations
+
+import glob
+import hashlib
+import json
+from collections.abc import Iterator
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.job_spec import InputSpec, JobError
+from batchgen.rows import InputRow
+
+CONTENT_HASH = "content_hash"
+MAX_NAMED_DUPLICATES = 5
+
+
+def resolve_input_files(path: str) -> list[Path]:
+    """A file, a directory (its *.parquet files, sorted) or a glob, as a sorted file list."""
+    p = Path(path)
+    if p.is_file():
+        return [p]
+    if p.is_dir():
+        files = sorted(f for f in p.rglob("*.parquet") if f.is_file())
+        if not files:
+            raise JobError(f"input.path: directory {path} holds no .parquet files")
+        return files
+    if any(ch in path for ch in "*?["):
+        files = sorted(Path(f) for f in glob.glob(path, recursive=True) if Path(f).is_file())
+        if not files:
+            raise JobError(f"input.path: glob {path} matches no files")
+        return files
+    raise JobError(f"input.path: input file not found: {path}")
+
+
+def input_schema(files: list[Path]) -> pa.Schema:
+    """The schema of the first file; every other file must have the same column names."""
+    try:
+        schema = pq.read_schema(files[0])
+    except (OSError, pa.ArrowInvalid) as exc:
+        raise JobError(f"input.path: {files[0]} is not a readable Parquet file: {exc}") from None
+    for f in files[1:]:
+        try:
+            other = pq.read_schema(f)
+        except (OSError, pa.ArrowInvalid) as exc:
+            raise JobError(f"input.path: {f} is not a readable Parquet file: {exc}") from None
+        if set(other.names) != set(schema.names):
+            raise JobError(
+                f"input.path: {f} has columns {other.names}, but {files[0]} has {schema.names}"
+            )
+    return schema
+
+
+def content_id(values: dict) -> str:
+    """A stable id from a row's values: the same content gives the same id on every run."""
+    blob = json.dumps(values, sort_keys=True, default=str, ensure_ascii=False)
+    return hashlib.blake2b(blob.encode("utf-8"), digest_size=10).hexdigest()
+
+
+def _row_ids(batch: pa.RecordBatch, id_source: str, columns: list[str]) -> list[str]:
+    if id_source == CONTENT_HASH:
+        rows = batch.select(columns).to_pylist()
+        return [content_id(r) for r in rows]
+    return [None if v is None else str(v) for v in batch.column(id_source).to_pylist()]
+
+
+class ParquetInput:
+    """The job's input: which files, which columns, and how ids are made."""
+
+    def __init__(self, spec: InputSpec):
+        self.spec = spec
+        self.files = resolve_input_files(spec.path)
+        self.schema = input_schema(self.files)
+        self.id_source = spec.id_source
+        names = self.schema.names
+        if self.id_source != CONTENT_HASH and self.id_source not in names:
+            raise JobError(
+                f"input.id_column: column '{self.id_source}' not found in {self.files[0]} "
+                f"(columns: {names})"
+            )
+        wanted = list(spec.columns) if spec.columns is not None else list(names)
+        for col in wanted:
+            if col not in names:
+                raise JobError(
+                    f"input.columns: column '{col}' not found in {self.files[0]} ({names})"
+                )
+        self.columns = wanted
+        self.read_columns: list[str] = []
+        self.add_columns([])
+
+    def add_columns(self, columns: list[str]) -> None:
+        """Also read these columns (the template's, the carried ones) even when
+        input.columns leaves them out. The caller checked that they exist."""
+        self.columns = list(dict.fromkeys([*self.columns, *columns]))
+        extra_id = [] if self.id_source == CONTENT_HASH else [self.id_source]
+        self.read_columns = list(dict.fromkeys([*self.columns, *extra_id]))
+
+    def value_columns(self) -> list[str]:
+        """The columns a row carries (everything read except the id column)."""
+        return [c for c in self.columns if c != self.id_source]
+
+    def _batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
+        for f in self.files:
+            pf = pq.ParquetFile(f)
+            yield from pf.iter_batches(batch_size=self.spec.batch_rows, columns=columns)
+
+    def count_rows(self) -> int:
+        return sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
+
+    def rows(self) -> Iterator[InputRow]:
+        """Every input row in file order, one record batch in memory at a time."""
+        seq = 0
+        value_cols = self.value_columns()
+        for batch in self._batches(self.read_columns):
+            ids = _row_ids(batch, self.id_source, self.columns)
+            values = batch.select(value_cols).to_pylist()
+            for row_id, vals in zip(ids, values):
+                yield InputRow(seq=seq, id=row_id, values=vals)
+                seq += 1
+
+    def ids(self) -> Iterator[str | None]:
+        """Only the ids, reading as few columns as possible."""
+        cols = self.columns if self.id_source == CONTENT_HASH else [self.id_source]
+        for batch in self._batches(cols):
+            yield from _row_ids(batch, self.id_source, self.columns)
+
+    def check_ids(self) -> int:
+        """Refuse null or duplicate ids, naming the first few; return the row count.
+
+        Memory stays at 8 bytes per row: a 64-bit hash of every id goes into one numpy
+        array; only ids whose hash repeats are looked at again, by a second pass."""
+        hashes: list[np.ndarray] = []
+        chunk: list[int] = []
+        count = 0
+        for seq, row_id in enumerate(self.ids()):
+            if row_id is None or row_id == "":
+                raise JobError(
+                    f"input: row {seq} has an empty id in column '{self.id_source}' "
+                    f"({self.files[0] if len(self.files) == 1 else self.spec.path})"
+                )
+            chunk.append(hash(row_id))
+            count += 1
+            if len(chunk) >= 65536:
+                hashes.append(np.array(chunk, dtype=np.int64))
+                chunk = []
+        hashes.append(np.array(chunk, dtype=np.int64))
+        all_hashes = np.sort(np.concatenate(hashes))
+        del hashes
+        repeated = all_hashes[1:][all_hashes[1:] == all_hashes[:-1]]
+        if repeated.size == 0:
+            return count
+        suspects = set(repeated.tolist())
+        seen: set[str] = set()
+        duplicates: list[str] = []
+        for row_id in self.ids():
+            if hash(row_id) not in suspects:
+                continue
+            if row_id in seen and row_id not in duplicates:
+                duplicates.append(row_id)
+            seen.add(row_id)
+        if not duplicates:  # 64-bit hash collision between distinct ids
+            return count
+        named = ", ".join(repr(d) for d in duplicates[:MAX_NAMED_DUPLICATES])
+        more = f" and {len(duplicates) - MAX_NAMED_DUPLICATES} more" if len(duplicates) > 5 else ""
+        what = "identical rows (id: content_hash)" if self.id_source == CONTENT_HASH else "ids"
+        raise JobError(
+            f"input: duplicate {what} in column '{self.id_source}': {named}{more}; "
+            "every row needs a unique id"
+        )

@@ -1,0 +1,270 @@
+"""The morning report: report.json, report.md and report.png from the run directory alone
+(the live parts, read a few columns at a time, and the manifest), so `batchgen report`
+can rebuild it for any run, finished or not."""
+
+from __future__ import annotations
+
+import json
+import time
+from collections import Counter, defaultdict
+from pathlib import Path
+
+import pyarrow.parquet as pq
+
+from batchgen.job_spec import JobSpec
+from batchgen.run_dir import RunDir, write_atomic
+
+EXIT_MEANINGS = {
+    0: "finished, every row ok",
+    3: "finished, some rows failed within the error budget",
+    4: "stopped: the error budget was exceeded",
+    5: "interrupted: rerun the same command to resume",
+}
+_SAMPLE_IDS = 5
+_SCAN_COLUMNS = [
+    "id",
+    "n_index",
+    "status",
+    "finish_reason",
+    "error",
+    "error_type",
+    "prompt_tokens",
+    "completion_tokens",
+    "cluster_id",
+]
+
+
+def _session_start(session: str) -> float | None:
+    try:
+        return time.mktime(time.strptime(session.split("-")[0], "%Y%m%dT%H%M%S"))
+    except ValueError:
+        return None
+
+
+def throughput_timeline(run_dir: RunDir) -> list[dict]:
+    """One point per committed part: when, how many rows and tokens, and the output tok/s
+    since the previous commit of the same session (or the session's start)."""
+    points = []
+    last_by_session: dict[str, float] = {}
+    for e in run_dir.entries():
+        if e.replaces:
+            continue
+        since = last_by_session.get(e.session) or _session_start(e.session)
+        span = e.time - since if since is not None else None
+        points.append(
+            {
+                "time": e.time,
+                "session": e.session,
+                "rows": e.rows,
+                "prompt_tokens": e.prompt_tokens,
+                "completion_tokens": e.completion_tokens,
+                "output_tok_s": round(e.completion_tokens / span, 2) if span else None,
+                "total_tok_s": (
+                    round((e.prompt_tokens + e.completion_tokens) / span, 2) if span else None
+                ),
+            }
+        )
+        last_by_session[e.session] = e.time
+    return points
+
+
+def collect(run_dir: RunDir) -> dict:
+    """Counts over every live part, reading only the small columns, batch by batch."""
+    status = Counter()
+    finish = Counter()
+    error_types: dict[str, dict] = {}
+    clusters: dict[str, Counter] = defaultdict(Counter)
+    ids: set[str] = set()
+    tokens = Counter()
+    for entry in run_dir.live_parts():
+        pf = pq.ParquetFile(run_dir.results / entry.part)
+        for batch in pf.iter_batches(columns=_SCAN_COLUMNS, batch_size=8192):
+            for r in batch.to_pylist():
+                ids.add(r["id"])
+                status[r["status"]] += 1
+                cluster = "none" if r["cluster_id"] is None else str(r["cluster_id"])
+                clusters[cluster][r["status"]] += 1
+                clusters[cluster]["completion_tokens"] += r["completion_tokens"] or 0
+                if r["status"] == "ok":
+                    finish[r["finish_reason"]] += 1
+                    tokens["completion"] += r["completion_tokens"] or 0
+                    if r["n_index"] == 0:
+                        tokens["prompt"] += r["prompt_tokens"] or 0
+                else:
+                    et = error_types.setdefault(
+                        r["error_type"] or "error",
+                        {"count": 0, "sample_ids": [], "sample_message": r["error"]},
+                    )
+                    et["count"] += 1
+                    if len(et["sample_ids"]) < _SAMPLE_IDS and r["id"] not in et["sample_ids"]:
+                        et["sample_ids"].append(r["id"])
+    ok = status.get("ok", 0)
+    return {
+        "rows_committed": len(ids),
+        "result_rows": sum(status.values()),
+        "status": dict(status),
+        "finish_reason": dict(finish),
+        "max_tokens_share": round(finish.get("length", 0) / ok, 4) if ok else 0.0,
+        "error_types": error_types,
+        "tokens": {"prompt": tokens["prompt"], "completion": tokens["completion"]},
+        "clusters": {k: dict(v) for k, v in sorted(clusters.items())},
+    }
+
+
+def build_report(
+    run_dir: RunDir,
+    job: JobSpec | None,
+    job_path: str | Path | None,
+    exit_code: int | None,
+    total_rows: int | None,
+    labels: dict[int, str] | None = None,
+) -> dict:
+    stored = json.loads(run_dir.job_file.read_text()) if run_dir.job_file.exists() else {}
+    report = {
+        "run_dir": str(run_dir.path),
+        "job_file": str(job_path) if job_path else stored.get("job_path"),
+        "model": (job.model.path if job else stored.get("job", {}).get("model", {}).get("path")),
+        "fingerprint": job.fingerprint if job else stored.get("fingerprint"),
+        "exit_code": exit_code,
+        "outcome": EXIT_MEANINGS.get(exit_code, "unknown") if exit_code is not None else None,
+        "rows_total": total_rows,
+        **collect(run_dir),
+        "throughput": throughput_timeline(run_dir),
+        "cluster_names": {str(k): v for k, v in (labels or {}).items()},
+        "generated": time.time(),
+    }
+    timeline = report["throughput"]
+    if timeline:
+        sessions = {p["session"] for p in timeline}
+        starts = [s for s in (_session_start(x) for x in sessions) if s is not None]
+        report["wall_s"] = round(timeline[-1]["time"] - min(starts), 1) if starts else None
+    job_ref = report["job_file"] or "JOB.yaml"
+    report["resume_command"] = f"batchgen run {job_ref}"
+    report["retry_errors_command"] = f"batchgen run {job_ref} --retry-errors"
+    return report
+
+
+def render_markdown(report: dict) -> str:
+    lines = [f"# batchgen run report: {report['run_dir']}", ""]
+    lines.append(f"- job: `{report['job_file']}`  model: `{report['model']}`")
+    lines.append(f"- fingerprint: `{report['fingerprint']}`")
+    if report["exit_code"] is not None:
+        lines.append(f"- outcome: **{report['outcome']}** (exit {report['exit_code']})")
+    total = report["rows_total"]
+    done = report["rows_committed"]
+    lines.append(f"- rows: {done:,} committed" + (f" of {total:,}" if total is not None else ""))
+    if report.get("wall_s") is not None:
+        lines.append(f"- wall time: {report['wall_s']:.0f} s")
+    lines += ["", "## Status", "", "| status | result rows |", "|---|---|"]
+    for k, v in sorted(report["status"].items()):
+        lines.append(f"| {k} | {v:,} |")
+    lines += ["", "## Finish reasons (ok rows)", "", "| finish_reason | rows |", "|---|---|"]
+    for k, v in sorted(report["finish_reason"].items(), key=lambda kv: str(kv[0])):
+        lines.append(f"| {k} | {v:,} |")
+    share = report["max_tokens_share"]
+    flag = " **- raise sampling.max_tokens?**" if share > 0.1 else ""
+    lines.append("")
+    lines.append(f"{share:.1%} of ok rows stopped at max_tokens (finish_reason length){flag}.")
+    lines += ["", "## Errors", ""]
+    if report["error_types"]:
+        lines += ["| error type | rows | sample ids | sample message |", "|---|---|---|---|"]
+        for k, v in sorted(report["error_types"].items(), key=lambda kv: -kv[1]["count"]):
+            msg = (v["sample_message"] or "").replace("|", "\\|").replace("\n", " ")[:160]
+            ids = ", ".join(f"`{i}`" for i in v["sample_ids"])
+            lines.append(f"| {k} | {v['count']:,} | {ids} | {msg} |")
+    else:
+        lines.append("No errors.")
+    t = report["tokens"]
+    lines += [
+        "",
+        "## Tokens",
+        "",
+        f"- prompt: {t['prompt']:,}",
+        f"- completion: {t['completion']:,}",
+        "",
+        "## Throughput over time (one point per committed part)",
+        "",
+        "| part committed | rows | output tokens | output tok/s | total tok/s |",
+        "|---|---|---|---|---|",
+    ]
+    for p in report["throughput"]:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(p["time"]))
+        lines.append(
+            f"| {stamp} | {p['rows']:,} | {p['completion_tokens']:,} | "
+            f"{p['output_tok_s'] if p['output_tok_s'] is not None else '-'} | "
+            f"{p['total_tok_s'] if p['total_tok_s'] is not None else '-'} |"
+        )
+    lines += ["", "## Clusters", "", "| cluster | name | ok | error | output tokens |"]
+    lines.append("|---|---|---|---|---|")
+    names = report.get("cluster_names", {})
+    for k, v in report["clusters"].items():
+        lines.append(
+            f"| {k} | {names.get(k, '-')} | {v.get('ok', 0):,} | {v.get('error', 0):,} | "
+            f"{v.get('completion_tokens', 0):,} |"
+        )
+    lines += [
+        "",
+        "## Resume",
+        "",
+        "Rerun the same command; committed rows are skipped:",
+        "",
+        f"    {report['resume_command']}",
+        "",
+        "To run the error rows again:",
+        "",
+        f"    {report['retry_errors_command']}",
+        "",
+    ]
+    return "\n".join(lines)
+
+
+def render_png(report: dict, path: Path) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
+    points = [p for p in report["throughput"] if p["output_tok_s"] is not None]
+    if points:
+        t0 = min(p["time"] for p in report["throughput"])
+        ax1.plot(
+            [(p["time"] - t0) / 60 for p in points],
+            [p["output_tok_s"] for p in points],
+            marker="o",
+        )
+    ax1.set_xlabel("minutes since the first part")
+    ax1.set_ylabel("output tok/s")
+    ax1.set_title("throughput per committed part")
+    clusters = report["clusters"]
+    names = list(clusters)
+    ax2.bar(names, [clusters[c].get("ok", 0) for c in names], label="ok")
+    ax2.bar(
+        names,
+        [clusters[c].get("error", 0) for c in names],
+        bottom=[clusters[c].get("ok", 0) for c in names],
+        label="error",
+    )
+    ax2.set_xlabel("cluster")
+    ax2.set_ylabel("result rows")
+    ax2.set_title("rows per cluster")
+    ax2.legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=80)
+    plt.close(fig)
+
+
+def write_report(
+    run_dir: RunDir,
+    job: JobSpec | None,
+    job_path: str | Path | None,
+    exit_code: int | None,
+    total_rows: int | None,
+    labels: dict[int, str] | None = None,
+) -> dict:
+    """Write report.json, report.md and report.png into the run directory."""
+    report = build_report(run_dir, job, job_path, exit_code, total_rows, labels)
+    write_atomic(run_dir.path / "report.json", json.dumps(report, indent=2, default=str))
+    write_atomic(run_dir.path / "report.md", render_markdown(report))
+    render_png(report, run_dir.path / "report.png")
+    return report

@@ -1,0 +1,151 @@
+"""Resuming a run: the job must still be the same job, committed ids are skipped, and
+--retry-errors takes error rows back out of the results so they run again."""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import time
+from pathlib import Path
+
+import pyarrow.compute as pc
+import pyarrow.parquet as pq
+
+from batchgen.job_spec import JobError, JobSpec
+from batchgen.run_dir import ManifestEntry, RunDir, fsync_dir, write_atomic
+
+log = logging.getLogger(__name__)
+
+
+def _changed_fields(old: dict, new: dict, prefix: str = "") -> list[str]:
+    changed = []
+    for key in sorted(set(old) | set(new)):
+        a, b = old.get(key), new.get(key)
+        name = f"{prefix}{key}"
+        if isinstance(a, dict) and isinstance(b, dict):
+            changed.extend(_changed_fields(a, b, f"{name}."))
+        elif a != b:
+            changed.append(name)
+    return changed
+
+
+def check_run_dir(job: JobSpec, new_run: bool) -> None:
+    """Refuse (JobError) an output.path holding a run of a job whose output-affecting
+    fields changed, unless `new_run`; refuse a non-empty directory that is not a run.
+    Reads only: called before the model is loaded."""
+    run_dir = RunDir(job.output.path)
+    if run_dir.exists():
+        if new_run:
+            return
+        stored = json.loads(run_dir.job_file.read_text())
+        if stored.get("fingerprint") != job.fingerprint:
+            changed = _changed_fields(stored.get("fingerprint_fields", {}), _jsonable(job))
+            raise JobError(
+                f"output.path: {run_dir.path} holds a run of a different job "
+                f"(changed: {', '.join(changed) or 'fingerprint'}); its results would not "
+                "match. Rerun with --new-run to start over (the old run is kept aside), or "
+                "point output.path elsewhere"
+            )
+    elif run_dir.path.exists() and (not run_dir.path.is_dir() or any(run_dir.path.iterdir())):
+        raise JobError(
+            f"output.path: {run_dir.path} exists, is not empty and is not a batchgen run "
+            "directory; choose another output.path"
+        )
+
+
+def open_run_dir(
+    job: JobSpec, new_run: bool, job_path: str | Path | None = None
+) -> tuple[RunDir, str | None]:
+    """Create the run directory, or reopen the existing one of this job. With `new_run`
+    an existing run is moved aside (never deleted) and a fresh one begins.
+    Returns the run dir and, when one was moved aside, where it went."""
+    check_run_dir(job, new_run)
+    run_dir = RunDir(job.output.path)
+    archived = None
+    if run_dir.exists() and new_run:
+        archived = f"{run_dir.path}.{time.strftime('%Y%m%d-%H%M%S')}"
+        os.replace(run_dir.path, archived)
+        log.info("--new-run: moved the previous run to %s", archived)
+    run_dir.create()
+    if not run_dir.job_file.exists():
+        payload = {
+            "fingerprint": job.fingerprint,
+            "fingerprint_fields": _jsonable(job),
+            "job": job.model_dump(),
+            "job_path": str(job_path) if job_path else None,
+            "created": time.time(),
+        }
+        write_atomic(run_dir.job_file, json.dumps(payload, indent=2, default=str))
+    return run_dir, archived
+
+
+def _jsonable(job: JobSpec) -> dict:
+    return json.loads(json.dumps(job.fingerprint_fields(), default=str))
+
+
+def committed_ids(run_dir: RunDir) -> tuple[set[str], int, int]:
+    """Ids already in live parts, with their counts of ok and error result rows."""
+    ids: set[str] = set()
+    ok = error = 0
+    for entry in run_dir.live_parts():
+        table = pq.read_table(run_dir.results / entry.part, columns=["id"])
+        ids.update(table.column("id").to_pylist())
+        ok += entry.ok
+        error += entry.error
+    return ids, ok, error
+
+
+def take_back_errors(run_dir: RunDir, session: str) -> int:
+    """--retry-errors: rewrite every live part that holds error rows without them, each
+    committed by a manifest line that `replaces` the old part. The error rows' ids are then
+    no longer committed and run again. Returns how many input rows will be retried."""
+    retried: set[str] = set()
+    next_number = run_dir.next_part_number()
+    for entry in run_dir.live_parts():
+        if entry.error == 0:
+            continue
+        path = run_dir.results / entry.part
+        table = pq.read_table(path)
+        bad_ids = pc.filter(table.column("id"), pc.not_equal(table.column("status"), "ok"))
+        bad = set(bad_ids.to_pylist())
+        # All n completions of a row go back together, so the row is redone whole.
+        keep = table.filter(pc.invert(pc.is_in(table.column("id"), value_set=bad_ids.unique())))
+        retried |= bad
+        name = f"part-{next_number:05d}.parquet"
+        next_number += 1
+        tmp = run_dir.results / f".{name}.tmp"
+        with open(tmp, "wb") as f:
+            pq.write_table(keep, f, compression="zstd")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, run_dir.results / name)
+        fsync_dir(run_dir.results)
+        run_dir.append_manifest(
+            ManifestEntry(
+                part=name,
+                rows=keep.num_rows,
+                ok=keep.num_rows,
+                error=0,
+                prompt_tokens=_sum(keep, "prompt_tokens", first_only=True),
+                completion_tokens=_sum(keep, "completion_tokens"),
+                time=time.time(),
+                session=session,
+                replaces=entry.part,
+            )
+        )
+    run_dir.remove_orphans()
+    return len(retried)
+
+
+def _sum(table, column: str, first_only: bool = False) -> int:
+    if table.num_rows == 0:
+        return 0
+    col = table.column(column)
+    if first_only:
+        col = pc.filter(col, pc.equal(table.column("n_index"), 0))
+    return int(pc.sum(col).as_py() or 0)
+
+
+def resume_command(job_path: str | Path) -> str:
+    return f"batchgen run {job_path}"

@@ -1,0 +1,62 @@
+"""The typed records that flow through the pipeline, one stage to the next.
+
+InputRow    -> read from Parquet: position, id, the columns read
+PreparedRow -> rendered and tokenized (or carrying the reason it cannot run)
+ResultRow   -> one output row per (id, n_index), ok or error
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(slots=True)
+class InputRow:
+    seq: int  # position in the input, 0-based, across all files
+    id: str
+    values: dict[str, Any]
+
+
+@dataclass(slots=True)
+class RowError:
+    """Why a row cannot run or failed. `type` is a short stable label for the report."""
+
+    type: str
+    message: str
+
+
+@dataclass(slots=True)
+class PreparedRow:
+    seq: int
+    id: str
+    carry: dict[str, Any]
+    prompt_token_ids: list[int] = field(default_factory=list)
+    error: RowError | None = None
+    truncated: bool = False
+    group: int | None = None  # cluster id, handed to the engine as Request.group
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+
+@dataclass(slots=True)
+class ResultRow:
+    id: str
+    n_index: int
+    status: str  # "ok" | "error"
+    text: str | None
+    finish_reason: str | None
+    prompt_tokens: int
+    completion_tokens: int
+    cluster_id: int | None
+    error: str | None
+    error_type: str | None
+    seed: int | None
+    carry: dict[str, Any]
+    seq: int = 0  # input position: used for `order: input`, not written
+
+    @property
+    def ok(self) -> bool:
+        return self.status == "ok"

@@ -1,0 +1,356 @@
+"""The run loop: read -> skip committed -> render -> plan -> engine.stream -> parts.
+
+Every stage is a generator, so memory is bounded by the engine's waiting queue plus the
+planner's window, whatever the input size. Rows that cannot run (null or empty prompt,
+prompt over the context) and rows the engine rejects become error rows; the job goes on
+until the error budget is spent.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import signal
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from batchgen.job_context import JobContext, open_job
+from batchgen.job_spec import JobError, JobSpec
+from batchgen.planner import ClusterLabels, cluster_mode, log_cluster_mode, plan_rows
+from batchgen.progress import Progress
+from batchgen.render import PromptRenderer
+from batchgen.report import write_report
+from batchgen.resume import check_run_dir, committed_ids, open_run_dir, take_back_errors
+from batchgen.rows import InputRow, PreparedRow, ResultRow
+from batchgen.run_dir import RunDir, new_session_id
+from batchgen.stats import RunStats
+from batchgen.writer import PartWriter
+
+log = logging.getLogger(__name__)
+
+EXIT_OK = 0
+EXIT_JOB_ERROR = 2
+EXIT_SOME_ERRORS = 3
+EXIT_BUDGET_EXCEEDED = 4
+EXIT_INTERRUPTED = 5
+
+
+def derive_seed(job_seed: int, row_id: str, n_index: int) -> int:
+    """The seed of one completion: a function of (job seed, row id, n_index) only, so a
+    row's sample does not depend on its batch, its cluster or its position."""
+    digest = hashlib.blake2b(f"{job_seed}\0{row_id}\0{n_index}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
+
+
+def load_llm(job: JobSpec):
+    """The engine for a job (imported here: engine loading pulls in torch models)."""
+    from engine import LLM
+
+    kwargs = {
+        "model": job.model.path,
+        "device": job.model.device,
+        "dtype": job.model.dtype,
+        "kv_cache_memory": job.model.kv_cache_memory,
+        "seed": job.sampling.seed,
+    }
+    if job.model.max_model_len is not None:
+        kwargs["max_model_len"] = job.model.max_model_len
+    if job.batching.max_num_seqs is not None:
+        kwargs["max_num_seqs"] = job.batching.max_num_seqs
+    if job.batching.max_num_batched_tokens is not None:
+        kwargs["max_num_batched_tokens"] = job.batching.max_num_batched_tokens
+    return LLM(**kwargs)
+
+
+def make_renderer(ctx: JobContext, llm) -> PromptRenderer:
+    if llm.tokenizer is None:
+        raise JobError(
+            f"model.path: {ctx.job.model.path} has no tokenizer, so text prompts cannot be "
+            "rendered; use a model directory with tokenizer files"
+        )
+    return PromptRenderer(
+        ctx.job.prompt,
+        llm.tokenizer,
+        llm.max_model_len,
+        ctx.job.sampling.max_tokens,
+        ctx.carry_map,
+    )
+
+
+def sampling_params(job: JobSpec, seed: int):
+    from engine import SamplingParams
+
+    s = job.sampling
+    return SamplingParams(
+        n=1,
+        temperature=s.temperature,
+        top_p=s.top_p,
+        top_k=s.top_k,
+        min_p=s.min_p,
+        max_tokens=s.max_tokens,
+        stop=list(s.stop or []),
+        seed=seed,
+    )
+
+
+@dataclass
+class RunOutcome:
+    exit_code: int
+    run_dir: Path
+    message: str
+    stats: RunStats | None = None
+
+
+class _StopFlag:
+    """First Ctrl-C: stop feeding new rows, finish the ones running, write the part, exit 5.
+    A second Ctrl-C stops at once (the rows finished so far are still written)."""
+
+    def __init__(self) -> None:
+        self.requested = False
+
+    def handler(self, signum, frame) -> None:
+        if self.requested:
+            raise KeyboardInterrupt
+        self.requested = True
+        log.warning("interrupt: finishing the rows in flight, then writing the last part")
+
+
+@dataclass
+class _Pending:
+    row: PreparedRow
+    results: dict[int, ResultRow] = field(default_factory=dict)
+
+
+def _error_results(row: PreparedRow, n: int, error_type: str, message: str) -> list[ResultRow]:
+    return [
+        ResultRow(
+            id=row.id,
+            n_index=k,
+            status="error",
+            text=None,
+            finish_reason=None,
+            prompt_tokens=row.num_prompt_tokens,
+            completion_tokens=0,
+            cluster_id=row.group,
+            error=message,
+            error_type=error_type,
+            seed=None,
+            carry=row.carry,
+            seq=row.seq,
+        )
+        for k in range(n)
+    ]
+
+
+class _Loop:
+    """One session of a run. `requests()` is the generator the engine pulls from; finished
+    rows (from the engine, or errors found before it) go to `_finish_row`."""
+
+    def __init__(self, ctx, llm, renderer, writer, stats, progress, done_ids, labels):
+        self.ctx = ctx
+        self.job = ctx.job
+        self.llm = llm
+        self.renderer = renderer
+        self.writer = writer
+        self.stats = stats
+        self.progress = progress
+        self.done_ids = done_ids
+        self.labels = labels
+        self.n = ctx.job.sampling.n
+        self.pending: dict[int, _Pending] = {}
+        self.stop = _StopFlag()
+        self.budget_rows = ctx.job.errors.budget * ctx.total_rows * self.n
+        self.budget_exceeded = False
+        self.fed_all = False
+
+    def _prepared(self) -> Iterator[PreparedRow]:
+        for row in self.ctx.input.rows():
+            if row.id in self.done_ids:
+                continue
+            self.writer.expect(row.seq)  # in input order, before the planner reorders
+            yield self._prepare(row)
+
+    def _prepare(self, row: InputRow) -> PreparedRow:
+        prepared = self.renderer.prepare(row)
+        if self.labels is not None:
+            prepared.group = self.labels.assign(row)
+        return prepared
+
+    def requests(self) -> Iterator:
+        from engine import Request
+
+        for row in plan_rows(self._prepared(), self.job.batching):
+            if self.stop.requested or self.budget_exceeded:
+                return
+            if row.error is not None:
+                self._finish_row(_error_results(row, self.n, row.error.type, row.error.message))
+                continue
+            self.pending[row.seq] = _Pending(row)
+            for k in range(self.n):
+                seed = derive_seed(self.job.sampling.seed, row.id, k)
+                yield Request(
+                    request_id=f"{row.seq}:{k}",
+                    prompt=row.prompt_token_ids,
+                    sampling_params=sampling_params(self.job, seed),
+                    group=row.group,
+                )
+        self.fed_all = True
+
+    def on_output(self, out) -> None:
+        seq_s, k_s = out.request_id.split(":")
+        seq, k = int(seq_s), int(k_s)
+        pending = self.pending[seq]
+        row = pending.row
+        if out.error is not None or not out.outputs:
+            message = out.error or "the engine returned no completion"
+            result = _error_results(row, 1, "engine_rejected", message)[0]
+            result.n_index = k
+        else:
+            completion = out.outputs[0]
+            result = ResultRow(
+                id=row.id,
+                n_index=k,
+                status="ok",
+                text=completion.text,
+                finish_reason=completion.finish_reason,
+                prompt_tokens=out.num_prompt_tokens or row.num_prompt_tokens,
+                completion_tokens=len(completion.token_ids),
+                cluster_id=row.group,
+                error=None,
+                error_type=None,
+                seed=derive_seed(self.job.sampling.seed, row.id, k),
+                carry=row.carry,
+                seq=row.seq,
+            )
+        pending.results[k] = result
+        if len(pending.results) == self.n:
+            del self.pending[seq]
+            self._finish_row([pending.results[i] for i in range(self.n)])
+
+    def _finish_row(self, results: list[ResultRow]) -> None:
+        self.writer.add(results)
+        self.stats.record_row(results)
+        if self.stats.errors_total > self.budget_rows:
+            self.budget_exceeded = True
+        self.progress.update(self.stats)
+
+    def run(self) -> str:
+        """Drive the engine until the input is done, the budget is spent or Ctrl-C.
+        Returns "done", "budget" or "interrupted"."""
+        in_main = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGINT, self.stop.handler) if in_main else None
+        try:
+            for out in self.llm.stream(self.requests()):
+                self.on_output(out)
+        except KeyboardInterrupt:
+            self.stop.requested = True
+        finally:
+            self.writer.flush()
+            if in_main:
+                signal.signal(signal.SIGINT, previous)
+        if self.budget_exceeded:
+            return "budget"
+        if self.stop.requested or not self.fed_all:
+            return "interrupted"
+        return "done"
+
+
+def run_job(
+    job: JobSpec,
+    job_path: str | Path,
+    *,
+    new_run: bool = False,
+    retry_errors: bool = False,
+    llm=None,
+    progress: Progress | None = None,
+) -> RunOutcome:
+    """Run (or resume) a job. Raises JobError before writing anything if the job cannot
+    run; otherwise returns the exit code and a one-line summary."""
+    ctx = open_job(job)
+    check_run_dir(job, new_run)
+    log_cluster_mode(job.batching)
+    if llm is None:
+        llm = load_llm(job)
+    renderer = make_renderer(ctx, llm)
+
+    session = new_session_id()
+    run_dir, archived = open_run_dir(job, new_run, job_path)
+    run_dir.remove_orphans()
+    run_dir.success.unlink(missing_ok=True)
+    if retry_errors:
+        retried = take_back_errors(run_dir, session)
+        log.info("--retry-errors: %d rows will run again", retried)
+    done_ids, ok_before, errors_before = committed_ids(run_dir)
+
+    stats = RunStats(
+        rows_total=ctx.total_rows,
+        n=job.sampling.n,
+        rows_done_before=len(done_ids),
+        errors_before=errors_before,
+    )
+    labels = None
+    if cluster_mode(job.batching) == "column":
+        labels = ClusterLabels(job.batching.cluster, run_dir.clusters_file)
+    progress = progress or Progress(run_dir.progress_file)
+    writer = PartWriter(
+        run_dir,
+        ctx.schema,
+        job.output.rows_per_part,
+        model=getattr(llm, "model_name", job.model.path),
+        fingerprint=job.fingerprint,
+        session=session,
+        in_input_order=job.output.order == "input",
+    )
+    loop = _Loop(ctx, llm, renderer, writer, stats, progress, done_ids, labels)
+    progress.start(stats, title=f"batchgen run {job_path}")
+    started = time.time()
+    try:
+        state = loop.run()
+    finally:
+        progress.finish(stats)
+
+    # Count from the manifest, so the verdict covers every session of this run.
+    done_ids, ok_rows, error_rows = committed_ids(run_dir)
+    complete = len(done_ids) == ctx.total_rows
+    if state == "budget":
+        code = EXIT_BUDGET_EXCEEDED
+    elif state == "interrupted" or not complete:
+        code = EXIT_INTERRUPTED
+    elif error_rows:
+        code = EXIT_SOME_ERRORS
+    else:
+        code = EXIT_OK
+    write_report(
+        run_dir,
+        job,
+        job_path,
+        exit_code=code,
+        total_rows=ctx.total_rows,
+        labels=labels.names() if labels else None,
+    )
+    if code in (EXIT_OK, EXIT_SOME_ERRORS):
+        run_dir.success.write_text("")
+    message = _summary(code, run_dir, len(done_ids), ctx.total_rows, error_rows, job_path)
+    if archived:
+        message += f" (previous run moved to {archived})"
+    log.info("session took %.1fs", time.time() - started)
+    return RunOutcome(code, run_dir.path, message, stats)
+
+
+def _summary(code: int, run_dir: RunDir, done: int, total: int, errors: int, job_path) -> str:
+    if code == EXIT_OK:
+        return f"done: {done:,} rows ok -> {run_dir.path}"
+    if code == EXIT_SOME_ERRORS:
+        return f"done with errors: {done:,} rows, {errors:,} error rows -> {run_dir.path}"
+    if code == EXIT_BUDGET_EXCEEDED:
+        return (
+            f"stopped: {errors:,} error rows exceed the error budget; see "
+            f"{run_dir.path}/report.md; fix and resume with `batchgen run {job_path}` "
+            "(add --retry-errors to rerun the failed rows)"
+        )
+    return (
+        f"interrupted: {done:,} of {total:,} rows committed; resume with `batchgen run {job_path}`"
+    )
