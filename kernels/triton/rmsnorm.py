@@ -1,0 +1,74 @@
+"""RMSNorm with an optional fused residual add: one read of x (and residual), one write of
+each output, one program per row.
+
+  residual None:  y = x * rsqrt(mean(x^2) + eps) * weight
+  residual given: r = x + residual; y = rmsnorm(r); returns (y, r)
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton._common import check_device, next_pow2
+
+
+@triton.jit
+def rmsnorm_kernel(
+    x_ptr,  # [R, D]
+    res_ptr,  # [R, D] residual in (HAS_RES)
+    w_ptr,  # [D]
+    y_ptr,  # [R, D]
+    res_out_ptr,  # [R, D] x + residual (HAS_RES)
+    D,
+    eps,
+    stride_x,
+    stride_res,
+    stride_y,
+    stride_res_out,
+    HAS_RES: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    row = tl.program_id(0).to(tl.int64)
+    offs = tl.arange(0, BLOCK)
+    mask = offs < D
+    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
+    if HAS_RES:
+        x += tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
+        # The new residual is rounded to the stream's dtype, as an unfused add would be.
+        x_round = x.to(res_out_ptr.dtype.element_ty)
+        tl.store(res_out_ptr + row * stride_res_out + offs, x_round, mask=mask)
+        x = x_round.to(tl.float32)
+    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
+    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    tl.store(y_ptr + row * stride_y + offs, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+
+
+def rmsnorm(
+    x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None = None
+) -> torch.Tensor | tuple[torch.Tensor, torch.Tensor]:
+    """x [..., D], weight [D], residual like x. Returns y (like x), or (y, x + residual)."""
+    d = x.shape[-1]
+    assert weight.shape == (d,), f"weight must be [{d}], got {list(weight.shape)}"
+    assert x.stride(-1) == 1, "x must have a contiguous last dim"
+    check_device(x, weight)
+    x2 = x.reshape(-1, d)
+    y = torch.empty(x2.shape, dtype=x.dtype, device=x.device)
+    if residual is not None:
+        assert residual.shape == x.shape, f"residual {list(residual.shape)} != x {list(x.shape)}"
+        r2 = residual.reshape(-1, d)
+        r_out = torch.empty(x2.shape, dtype=residual.dtype, device=x.device)
+    else:
+        r2 = r_out = x2
+    rows = x2.shape[0]
+    if rows:
+        block = next_pow2(d)
+        rmsnorm_kernel[(rows,)](
+            x2, r2, weight, y, r_out, d, eps,
+            x2.stride(0), r2.stride(0), y.stride(0), r_out.stride(0),
+            HAS_RES=residual is not None, BLOCK=block, num_warps=min(16, max(1, block // 256)),
+        )  # fmt: skip
+    if residual is None:
+        return y.reshape(x.shape)
+    return y.reshape(x.shape), r_out.reshape(x.shape)

@@ -1,0 +1,64 @@
+import pytest
+import torch
+
+from kernels.reference.rmsnorm import rmsnorm_reference
+from kernels.reference.rope import rope_reference
+from kernels.triton.rmsnorm import rmsnorm
+from kernels.triton.rope import apply_rope_
+from tests.kernels._helpers import DEVICE, gpu_only, rel_err
+
+
+@pytest.mark.parametrize("rows,d", [(3, 64), (5, 100)])
+@pytest.mark.parametrize("with_residual", [False, True])
+def test_rmsnorm_matches_reference(rows, d, with_residual):
+    g = torch.Generator().manual_seed(rows * d)
+    x = torch.randn(rows, d, generator=g).bfloat16().to(DEVICE)
+    w = (1 + 0.1 * torch.randn(d, generator=g)).bfloat16().to(DEVICE)
+    res = torch.randn(rows, d, generator=g).bfloat16().to(DEVICE) if with_residual else None
+    out = rmsnorm(x, w, 1e-6, res)
+    ref = rmsnorm_reference(x, w, 1e-6, res)
+    if with_residual:
+        # Exact on a GPU; the interpreter truncates float32 -> bf16 instead of rounding.
+        if DEVICE == "cuda":
+            assert torch.equal(out[1], ref[1])
+        assert rel_err(out[1], ref[1]) < 1e-2
+        out, ref = out[0], ref[0]
+    assert rel_err(out, ref) < 1e-2
+
+
+def _rope_case(t, h, r, seed):
+    g = torch.Generator().manual_seed(seed)
+    q_full = torch.randn(t, h, 16 + r, generator=g).bfloat16().to(DEVICE)
+    k = torch.randn(t, 1, r, generator=g).bfloat16().to(DEVICE)
+    pos = torch.randint(0, 50, (t,), generator=g).to(DEVICE)
+    ang = torch.rand(50, r // 2, generator=g) * 6.28
+    return q_full, k, pos, ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("t,h,r", [(3, 4, 16), (2, 3, 8)])
+def test_rope_in_place_on_a_slice(interleaved, t, h, r):
+    q_full, k, pos, cos, sin = _rope_case(t, h, r, seed=t * h + r)
+    q = q_full[..., 16:]  # rope part of a wider query, like MLA's [nope | rope]
+    q_ref = rope_reference(q, pos, cos, sin, interleaved)
+    k_ref = rope_reference(k, pos, cos, sin, interleaved)
+    nope_before = q_full[..., :16].clone()
+    apply_rope_(q, k, pos, cos, sin, interleaved)
+    assert torch.equal(q_full[..., :16], nope_before)
+    assert rel_err(q, q_ref) < 1e-2 and rel_err(k, k_ref) < 1e-2
+
+
+@pytest.mark.gpu
+@gpu_only
+def test_rmsnorm_rope_gpu_sizes():
+    x = torch.randn(300, 7168, device=DEVICE).bfloat16()
+    res = torch.randn_like(x)
+    w = torch.rand(7168, device=DEVICE).bfloat16()
+    y, r = rmsnorm(x, w, 1e-6, res)
+    y_ref, r_ref = rmsnorm_reference(x, w, 1e-6, res)
+    assert torch.equal(r, r_ref) and rel_err(y, y_ref) < 1e-2
+    q_full, k, pos, cos, sin = _rope_case(300, 128, 64, seed=0)
+    q = q_full[..., 16:]
+    q_ref = rope_reference(q, pos, cos, sin, True)
+    apply_rope_(q, k, pos, cos, sin, True)
+    assert rel_err(q, q_ref) < 1e-2
