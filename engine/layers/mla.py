@@ -1,0 +1,262 @@
+"""Multi-head latent attention (DeepSeek-V2/V3) over a paged cache of compressed latents.
+
+Legend: T = tokens in the step, H = heads, R = kv_lora_rank, P = qk_rope_head_dim,
+N = qk_nope_head_dim, V = v_head_dim, L = context length of one sequence.
+
+Per token the cache holds only c = kv_a_layernorm(first R of kv_a_proj_with_mqa(x)) and the
+roped shared key k_rope (P values): R + P values per token per layer (576 for V3), the
+`CacheSpec` shape. Keys and values are recovered through kv_b_proj [H*(N+V), R]:
+
+- expanded form: k_nope, v = kv_b(c) for every context token, then ordinary attention.
+  Cheap when many queries share a context (long prefill).
+- absorbed form: W_UK is folded into the query (q_lat = q_nope W_UK, [H, R]) and W_UV is
+  applied after attention on the latent average (o = (sum p c) W_UV^T). No per-token
+  expansion: what decode does.
+
+`MultiLatentAttention.mode` picks "auto" (the cheaper form per sequence by a flop count),
+"absorbed" or "expanded". Scores and softmax run in float32.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from engine.layers.attention_context import AttentionContext
+from engine.layers.linear import Linear
+from engine.layers.norm import RMSNorm
+from engine.layers.rotary import RotaryEmbedding
+from engine.quant.base import QuantConfig
+
+# DeepSeek's and transformers' MLA norms use the RMSNorm default eps, not rms_norm_eps.
+LATENT_NORM_EPS = 1e-6
+MODES = ("auto", "absorbed", "expanded")
+
+
+@dataclass(frozen=True)
+class MlaDims:
+    hidden_size: int
+    num_heads: int
+    q_lora_rank: int | None
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    attention_bias: bool = False
+
+    @property
+    def cache_width(self) -> int:
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    def prefer_expanded(self, query_len: int, context_len: int) -> bool:
+        """Whether expanding the context through kv_b costs fewer flops than absorbing."""
+        R, P, N, V = (
+            self.kv_lora_rank,
+            self.qk_rope_head_dim,
+            self.qk_nope_head_dim,
+            self.v_head_dim,
+        )
+        expanded = context_len * R * (N + V) + query_len * context_len * (N + P + V)
+        absorbed = query_len * (N * R + R * V) + query_len * context_len * (2 * R + P)
+        return expanded < absorbed
+
+
+def write_latent_cache(
+    cache: torch.Tensor, ctx: AttentionContext, latent: torch.Tensor, k_rope: torch.Tensor
+) -> None:
+    """Store [c | k_rope] of each new token at its slot. cache [blocks, block_size, R+P]."""
+    flat = cache.view(-1, cache.shape[-1])
+    flat[ctx.slot_mapping] = torch.cat((latent, k_rope), dim=-1).to(cache.dtype)
+
+
+def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> torch.Tensor:
+    """Flat cache slots of tokens 0..length-1 of one sequence (block_table [..., blocks])."""
+    pos = torch.arange(length, device=block_table.device)
+    return block_table[..., pos // block_size].long() * block_size + pos % block_size
+
+
+def attend_expanded(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    dims: MlaDims,
+    scale: float,
+) -> torch.Tensor:
+    """One sequence. q_nope [Q, H, N], q_rope [Q, H, P], latent [L, R], k_rope [L, P],
+    q_pos [Q] absolute positions, kv_b_weight [H, N+V, R] -> out [Q, H, V] float32."""
+    N = dims.qk_nope_head_dim
+    kv = torch.einsum("lr,hkr->lhk", latent, kv_b_weight)  # [L, H, N+V]
+    k_nope, v = kv[..., :N], kv[..., N:]
+    scores = torch.einsum("qhn,lhn->hql", q_nope, k_nope)
+    scores = scores + torch.einsum("qhp,lp->hql", q_rope, k_rope)  # [H, Q, L]
+    probs = _causal_softmax(scores * scale, q_pos, latent.shape[0])
+    return torch.einsum("hql,lhv->qhv", probs, v)
+
+
+def attend_absorbed(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    latent: torch.Tensor,
+    k_rope: torch.Tensor,
+    q_pos: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    dims: MlaDims,
+    scale: float,
+) -> torch.Tensor:
+    """Same contract as attend_expanded, computed without expanding the context."""
+    N = dims.qk_nope_head_dim
+    w_uk, w_uv = kv_b_weight[:, :N], kv_b_weight[:, N:]  # [H, N, R], [H, V, R]
+    q_lat = torch.einsum("qhn,hnr->qhr", q_nope, w_uk)  # [Q, H, R]
+    scores = torch.einsum("qhr,lr->hql", q_lat, latent)
+    scores = scores + torch.einsum("qhp,lp->hql", q_rope, k_rope)  # [H, Q, L]
+    probs = _causal_softmax(scores * scale, q_pos, latent.shape[0])
+    o_lat = torch.einsum("hql,lr->qhr", probs, latent)  # [Q, H, R]
+    return torch.einsum("qhr,hvr->qhv", o_lat, w_uv)
+
+
+def attend_absorbed_decode(
+    q_nope: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    kv_b_weight: torch.Tensor,
+    dims: MlaDims,
+    scale: float,
+) -> torch.Tensor:
+    """B sequences with one query each, batched. q_nope [B, H, N], q_rope [B, H, P],
+    block_tables [B, blocks], context_lens [B] -> out [B, H, V] float32."""
+    N, R = dims.qk_nope_head_dim, dims.kv_lora_rank
+    block_size = cache.shape[1]
+    lmax = int(context_lens.max())
+    flat = cache.view(-1, cache.shape[-1])
+    entries = flat[context_slots(block_tables, lmax, block_size)].float()  # [B, L, R+P]
+    latent, k_rope = entries[..., :R], entries[..., R:]
+    q_lat = torch.einsum("bhn,hnr->bhr", q_nope, kv_b_weight[:, :N])
+    scores = torch.einsum("bhr,blr->bhl", q_lat, latent)
+    scores = (scores + torch.einsum("bhp,blp->bhl", q_rope, k_rope)) * scale  # [B, H, L]
+    pad = torch.arange(lmax, device=cache.device)[None, :] >= context_lens[:, None]  # [B, L]
+    probs = scores.masked_fill(pad[:, None, :], float("-inf")).softmax(dim=-1)
+    o_lat = torch.einsum("bhl,blr->bhr", probs, latent)
+    return torch.einsum("bhr,hvr->bhv", o_lat, kv_b_weight[:, N:])
+
+
+def _causal_softmax(scores: torch.Tensor, q_pos: torch.Tensor, length: int) -> torch.Tensor:
+    keys = torch.arange(length, device=scores.device)
+    future = keys[None, :] > q_pos[:, None]  # [Q, L]
+    return scores.masked_fill(future[None], float("-inf")).softmax(dim=-1)
+
+
+class MultiLatentAttention(nn.Module):
+    def __init__(
+        self,
+        dims: MlaDims,
+        rotary: RotaryEmbedding,
+        softmax_scale: float,
+        quant: QuantConfig | None,
+        prefix: str,
+    ) -> None:
+        super().__init__()
+        self.dims, self.rotary, self.scale = dims, rotary, softmax_scale
+        D, H = dims.hidden_size, dims.num_heads
+        qk_dim = dims.qk_nope_head_dim + dims.qk_rope_head_dim
+        bias = dims.attention_bias
+        if dims.q_lora_rank:
+            self.q_a_proj = Linear(D, dims.q_lora_rank, bias, quant, f"{prefix}.q_a_proj")
+            self.q_a_layernorm = RMSNorm(dims.q_lora_rank, LATENT_NORM_EPS)
+            self.q_b_proj = Linear(dims.q_lora_rank, H * qk_dim, False, quant, f"{prefix}.q_b_proj")
+        else:
+            self.q_proj = Linear(D, H * qk_dim, False, quant, f"{prefix}.q_proj")
+        self.kv_a_proj_with_mqa = Linear(
+            D, dims.cache_width, bias, quant, f"{prefix}.kv_a_proj_with_mqa"
+        )
+        self.kv_a_layernorm = RMSNorm(dims.kv_lora_rank, LATENT_NORM_EPS)
+        self.kv_b_proj = Linear(
+            dims.kv_lora_rank,
+            H * (dims.qk_nope_head_dim + dims.v_head_dim),
+            False,
+            quant,
+            f"{prefix}.kv_b_proj",
+        )
+        self.o_proj = Linear(H * dims.v_head_dim, D, bias, quant, f"{prefix}.o_proj")
+        self.kv_cache: torch.Tensor | None = None  # [blocks, block_size, R+P], bound by runner
+        self.mode = "auto"
+
+    def kv_b_weight(self) -> torch.Tensor:
+        """kv_b_proj's weight as float32 [H, N+V, R] (a view when stored in float32)."""
+        d = self.dims
+        w = self.kv_b_proj.format.dequantize(self.kv_b_proj)
+        return w.view(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        if self.mode not in MODES:
+            raise ValueError(f"MLA mode {self.mode!r}: expected one of {MODES}")
+        if self.kv_cache is None:
+            raise RuntimeError("MLA layer has no KV cache: call model.bind_kv_cache first")
+        d = self.dims
+        T, H, N, R = x.shape[0], d.num_heads, d.qk_nope_head_dim, d.kv_lora_rank
+        if d.q_lora_rank:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        else:
+            q = self.q_proj(x)
+        q = q.view(T, H, N + d.qk_rope_head_dim)
+        q_nope, q_rope = q[..., :N], q[..., N:]
+        kv = self.kv_a_proj_with_mqa(x)  # [T, R+P]
+        latent = self.kv_a_layernorm(kv[:, :R].contiguous())
+        q_rope, k_rope = self.rotary(positions, q_rope, kv[:, None, R:])
+        write_latent_cache(self.kv_cache, ctx, latent, k_rope[:, 0])
+        out = self._attend(q_nope.float(), q_rope.float(), positions, ctx)  # [T, H, V]
+        return self.o_proj(out.to(x.dtype).reshape(T, H * d.v_head_dim))
+
+    def _attend(self, q_nope, q_rope, positions, ctx: AttentionContext) -> torch.Tensor:
+        d = self.dims
+        w = self.kv_b_weight().float()
+        out = q_nope.new_empty(q_nope.shape[0], d.num_heads, d.v_head_dim)
+        starts = ctx.cu_query_lens.tolist()
+        decode_rows = [
+            b
+            for b in range(ctx.num_seqs)
+            if ctx.query_lens_host[b] == 1 and self.mode != "expanded"
+        ]
+        if decode_rows:
+            rows = torch.tensor([starts[b] for b in decode_rows], device=q_nope.device)
+            seqs = torch.tensor(decode_rows, device=q_nope.device)
+            out[rows] = attend_absorbed_decode(
+                q_nope[rows],
+                q_rope[rows],
+                self.kv_cache,
+                ctx.block_tables[seqs],
+                ctx.context_lens[seqs].long(),
+                w,
+                d,
+                self.scale,
+            )
+        flat = self.kv_cache.view(-1, d.cache_width)
+        handled = set(decode_rows)
+        for b in range(ctx.num_seqs):
+            if b in handled:
+                continue
+            s, e, length = starts[b], starts[b + 1], ctx.context_lens_host[b]
+            entries = flat[context_slots(ctx.block_tables[b], length, ctx.block_size)].float()
+            expanded = self.mode == "expanded" or (
+                self.mode == "auto" and d.prefer_expanded(e - s, length)
+            )
+            attend = attend_expanded if expanded else attend_absorbed
+            out[s:e] = attend(
+                q_nope[s:e],
+                q_rope[s:e],
+                entries[:, : d.kv_lora_rank],
+                entries[:, d.kv_lora_rank :],
+                positions[s:e],
+                w,
+                d,
+                self.scale,
+            )
+        return out

@@ -1,0 +1,158 @@
+"""Test helpers for the DeepSeek family: tiny transformers configs with every weight
+randomised (transformers zero-inits the correction bias), and a minimal paged runner that
+builds the caches and AttentionContext the engine's model runner would, so model-level
+tests do not depend on the scheduler."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from engine.layers.attention_context import AttentionContext
+
+TINY = dict(
+    vocab_size=96,
+    hidden_size=64,
+    intermediate_size=96,
+    moe_intermediate_size=32,
+    num_hidden_layers=3,
+    num_attention_heads=4,
+    num_key_value_heads=4,
+    kv_lora_rank=32,
+    q_lora_rank=48,
+    qk_rope_head_dim=8,
+    qk_nope_head_dim=16,
+    v_head_dim=16,
+    n_routed_experts=8,
+    n_shared_experts=1,
+    num_experts_per_tok=2,
+    n_group=2,
+    topk_group=1,
+    first_k_dense_replace=1,
+    routed_scaling_factor=2.5,
+    norm_topk_prob=True,
+    max_position_embeddings=256,
+    rms_norm_eps=1e-6,
+    tie_word_embeddings=False,
+)
+
+
+def hf_config(**overrides):
+    from transformers import DeepseekV3Config
+
+    kwargs = {**TINY, **overrides}
+    cfg = DeepseekV3Config(**kwargs)
+    cfg._attn_implementation = "eager"
+    return cfg
+
+
+@torch.no_grad()
+def randomize_(model: torch.nn.Module, seed: int) -> None:
+    """Scale-aware random weights: linears ~ N(0, 1/fan_in), norms ~ 1 + N(0, 0.1^2),
+    embeddings ~ N(0, 1), router bias ~ N(0, 0.1^2) so it changes some selections."""
+    gen = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if name.endswith("e_score_correction_bias"):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.1)
+        elif "norm" in name:
+            p.copy_(1 + torch.randn(p.shape, generator=gen) * 0.1)
+        elif "embed_tokens" in name:
+            p.copy_(torch.randn(p.shape, generator=gen))
+        elif name.endswith(".bias"):
+            p.copy_(torch.randn(p.shape, generator=gen) * 0.05)
+        else:
+            fan_in = max(p.shape[-1], 1)
+            p.copy_(torch.randn(p.shape, generator=gen) / math.sqrt(fan_in))
+    for name, b in model.named_buffers():
+        if name.endswith("e_score_correction_bias"):
+            b.copy_(torch.randn(b.shape, generator=gen) * 0.1)
+
+
+def hf_model(seed: int = 0, **overrides):
+    from transformers import DeepseekV3ForCausalLM as HF
+
+    torch.manual_seed(seed)
+    model = HF(hf_config(**overrides)).eval()
+    randomize_(model, seed + 1)
+    return model
+
+
+def engine_model_from_hf(hf, **kwargs):
+    from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+    model = DeepseekV3ForCausalLM(hf.config.to_dict(), **kwargs).eval()
+    model.load_weights((n, t.detach()) for n, t in hf.state_dict().items())
+    return model
+
+
+@torch.no_grad()
+def hf_logits(hf, tokens: list[int]) -> torch.Tensor:
+    """Full-sequence logits [len, V] (no cache): the reference for every step."""
+    return hf(torch.tensor([tokens])).logits[0].float()
+
+
+def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a - b).abs().max() / b.abs().max())
+
+
+class PagedRunner:
+    """Allocates one cache per CacheSpec ([num_blocks, block_size, *shape]) and runs steps
+    of (seq_id, new_tokens) pairs, giving each sequence blocks in a scrambled order so the
+    block tables are not contiguous."""
+
+    def __init__(self, model, block_size: int = 4, num_blocks: int = 64, seed: int = 0):
+        self.model, self.block_size = model, block_size
+        dtype = next(model.parameters()).dtype
+        self.caches = [
+            torch.zeros(num_blocks, block_size, *s.shape, dtype=s.dtype or dtype)
+            for s in model.cache_specs()
+        ]
+        model.bind_kv_cache(self.caches)
+        gen = torch.Generator().manual_seed(seed)
+        self.free = torch.randperm(num_blocks, generator=gen).tolist()
+        self.blocks: dict[int, list[int]] = {}
+        self.lengths: dict[int, int] = {}
+
+    def context(self, items: list[tuple[int, int]]) -> tuple[AttentionContext, torch.Tensor]:
+        """Reserve room for (seq_id, num_new) and build the step's context and positions."""
+        slots, positions, q_lens, c_lens = [], [], [], []
+        for seq, n in items:
+            start = self.lengths.get(seq, 0)
+            blocks = self.blocks.setdefault(seq, [])
+            while len(blocks) * self.block_size < start + n:
+                blocks.append(self.free.pop())
+            for p in range(start, start + n):
+                slots.append(blocks[p // self.block_size] * self.block_size + p % self.block_size)
+                positions.append(p)
+            self.lengths[seq] = start + n
+            q_lens.append(n)
+            c_lens.append(start + n)
+        width = max(len(self.blocks[s]) for s, _ in items)
+        tables = [self.blocks[s] + [0] * (width - len(self.blocks[s])) for s, _ in items]
+        cu = [0]
+        for n in q_lens:
+            cu.append(cu[-1] + n)
+        ctx = AttentionContext(
+            block_size=self.block_size,
+            slot_mapping=torch.tensor(slots, dtype=torch.int64),
+            cu_query_lens=torch.tensor(cu, dtype=torch.int32),
+            context_lens=torch.tensor(c_lens, dtype=torch.int32),
+            block_tables=torch.tensor(tables, dtype=torch.int32),
+            query_lens_host=q_lens,
+            context_lens_host=c_lens,
+            is_decode=all(n == 1 for n in q_lens),
+        )
+        return ctx, torch.tensor(positions, dtype=torch.int64)
+
+    @torch.no_grad()
+    def step(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
+        """Run new tokens of several sequences in one forward; logits [n, V] per sequence."""
+        ctx, positions = self.context([(s, len(t)) for s, t in items])
+        ids = torch.tensor([t for _, toks in items for t in toks], dtype=torch.int64)
+        logits = self.model.compute_logits(self.model(ids, positions, ctx))
+        out, start = [], 0
+        for _, toks in items:
+            out.append(logits[start : start + len(toks)])
+            start += len(toks)
+        return out
