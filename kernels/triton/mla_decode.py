@@ -1,0 +1,88 @@
+"""MLA decode attention in the absorbed form over a paged compressed cache.
+
+Legend: B sequences (one new token each), H heads, KVL = kv_lora_rank (512), R = rope dim
+(64), BS = cache block size.
+  cache [num_blocks, BS, KVL + R]: per token the normalised latent c and the roped k_rot
+  q_c [B, H, KVL] (q_nope absorbed through kv_b's key half), q_rope [B, H, R]
+  block_tables [B, max_blocks] int32, context_lens [B] (>= 1, includes the new token)
+  out [B, H, KVL] = softmax(scale * (q_c . c_t + q_rope . k_rot_t)) @ c   (per head)
+The caller applies kv_b's value half to `out`.
+
+The sequence is split into `num_splits` chunks (flash-decoding) so a few long sequences
+still fill the GPU; each split writes a normalised partial and its log-sum-exp, and a
+second launch merges them. `num_splits` is a launch constant: pass the same value for
+every step of a CUDA graph bucket (choose_num_splits gives a default from the host-known
+longest context).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+from kernels.triton._common import check_device, interpreting, next_pow2
+from kernels.triton._mla_decode_kernels import mla_decode_merge_kernel, mla_decode_partial_kernel
+
+
+def choose_num_splits(batch: int, max_context: int, heads: int, device: torch.device) -> int:
+    """Enough (sequence, head-block, split) programs for about two waves of the GPU, with
+    at least 256 tokens per split."""
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 4
+    )
+    programs = batch * triton.cdiv(heads, 16)
+    want = triton.cdiv(2 * sms, programs)
+    return max(1, min(want, triton.cdiv(max_context, 256), 64))
+
+
+def mla_decode(
+    q_c: torch.Tensor,
+    q_rope: torch.Tensor,
+    kv_cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
+    scale: float,
+    num_splits: int,
+    block_t: int = 32,
+) -> torch.Tensor:
+    """Returns [B, H, KVL] in q_c's dtype. See the module docstring for the layouts."""
+    assert q_c.dim() == 3 and q_rope.dim() == 3, "q_c and q_rope must be [B, H, D]"
+    bsz, heads, kvl = q_c.shape
+    r = q_rope.shape[-1]
+    assert q_rope.shape[:2] == (bsz, heads), f"q_rope {list(q_rope.shape)} vs q_c {list(q_c.shape)}"
+    assert kv_cache.dim() == 3 and kv_cache.shape[-1] == kvl + r, (
+        f"kv_cache must be [num_blocks, block_size, {kvl + r}], got {list(kv_cache.shape)}"
+    )
+    assert kvl == next_pow2(kvl) and r == next_pow2(r), f"kv_lora {kvl} and rope {r}: powers of 2"
+    assert block_tables.dim() == 2 and block_tables.shape[0] == bsz, (
+        f"block_tables must be [{bsz}, max_blocks], got {list(block_tables.shape)}"
+    )
+    assert context_lens.shape == (bsz,), f"context_lens must be [{bsz}]"
+    assert q_c.stride(-1) == 1 and q_rope.stride(-1) == 1 and kv_cache.stride(-1) == 1
+    assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
+    check_device(q_c, q_rope, kv_cache, block_tables, context_lens)
+    out = torch.empty((bsz, heads, kvl), dtype=q_c.dtype, device=q_c.device)
+    if bsz == 0:
+        return out
+    o_part = torch.empty((bsz, heads, num_splits, kvl), dtype=torch.float32, device=q_c.device)
+    lse = torch.empty((bsz, heads, num_splits), dtype=torch.float32, device=q_c.device)
+    block_h = 16  # tl.dot's smallest M; heads beyond H are masked
+    mla_decode_partial_kernel[(bsz, triton.cdiv(heads, block_h), num_splits)](
+        q_c, q_rope, kv_cache, block_tables, context_lens, o_part, lse,
+        heads, float(scale),
+        q_c.stride(0), q_c.stride(1), q_rope.stride(0), q_rope.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        KVL=kvl, R=r, BS=kv_cache.shape[1], NUM_SPLITS=num_splits,
+        BLOCK_H=block_h, BLOCK_T=block_t, F32_DOT=interpreting(),
+        num_warps=8 if kvl >= 256 else 4, num_stages=2,
+    )  # fmt: skip
+    mla_decode_merge_kernel[(bsz, heads)](
+        o_part, lse, out, heads,
+        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        KVL=kvl, NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits),
+    )  # fmt: skip
+    return out
