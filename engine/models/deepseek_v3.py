@@ -100,7 +100,10 @@ class DeepseekV3Config:
                 if d.get(key) is None:
                     d[key] = value
         known = {f.name for f in fields(cls)} - {"rope"}
-        cfg = cls(**{k: v for k, v in d.items() if k in known and v is not None})
+        # None is meaningful for q_lora_rank (no query compression); elsewhere it means unset.
+        cfg = cls(
+            **{k: v for k, v in d.items() if k in known and (v is not None or k == "q_lora_rank")}
+        )
         if d.get("n_group") is None:
             cfg.n_group, cfg.topk_group = 1, 1
         cfg.rope = rope_parameters(d)
