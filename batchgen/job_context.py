@@ -30,11 +30,9 @@ def check_model_path(path: str) -> None:
     """A model is a local directory, a GGUF file, or an alias the engine's catalog knows."""
     if Path(path).exists():
         return
-    try:
-        from engine.loader.catalog import list_models
-    except ImportError:
-        list_models = None
-    if list_models is not None and any(m["name"] == path for m in list_models()):
+    from engine.loader.catalog import is_alias
+
+    if is_alias(path):
         return
     raise JobError(
         f"model.path: '{path}' is neither an existing directory or file nor a known model "

@@ -34,7 +34,7 @@ def render_cmd(job_file: str, count: int) -> None:
             continue
         note = " (truncated by the overflow policy)" if prepared.truncated else ""
         click.echo(f"[{prepared.num_prompt_tokens} tokens{note}]")
-        click.echo(llm.tokenizer.decode(prepared.prompt_token_ids))
+        click.echo(llm.tokenizer.decode(prepared.prompt_token_ids, skip_special_tokens=False))
 
 
 commands = [render_cmd]

@@ -95,8 +95,8 @@ class HFTokenizerAdapter:
         ids = self.hf.encode(text, add_special_tokens=False)
         return [self.hf.bos_token_id, *ids] if add_special_tokens else ids
 
-    def decode(self, ids: list[int]) -> str:
-        return self.hf.decode(ids)
+    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
+        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True):
         return self.hf.apply_chat_template(
