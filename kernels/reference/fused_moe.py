@@ -12,7 +12,7 @@ from kernels.reference.quant_formats import dequant_fp8_block, dequant_mxfp4
 
 
 def dequant_experts(w: torch.Tensor, scale: torch.Tensor | None, fmt: str) -> torch.Tensor:
-    """Stacked expert weights [E, N, K] (or packed [E, N, K/2]) -> float32 [E, N, K]."""
+    """Expert weights [..., N, K] (or packed [..., N, K/2]) -> float32 [..., N, K]."""
     if fmt == "bf16":
         return w.float()
     if fmt == "fp8":
@@ -31,22 +31,26 @@ def fused_moe_reference(
     fmt: str = "bf16",
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
+    compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """sum_a weight[t, a] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, a]; float32
-    math, result in x's dtype."""
-    w13f = dequant_experts(w13, w13_scale, fmt)  # [E, 2I, D]
-    w2f = dequant_experts(w2, w2_scale, fmt)  # [E, D, I]
-    n_experts, two_i, _ = w13f.shape
-    inter = two_i // 2
-    xf = x.float()
-    out = torch.zeros_like(xf)  # [T, D]
+    """sum_a weight[t, a] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, a]. Only the
+    experts some token chose are dequantized. float32 math by default (the oracle);
+    the benchmark runs it in bf16 as the plain-torch baseline. Result in x's dtype."""
+    n_experts = w13.shape[0]
+    xc = x.to(compute_dtype)
+    out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, D]
     counts = torch.bincount(topk_ids.flatten(), minlength=n_experts).tolist()
     for e in range(n_experts):
         if counts[e] == 0:
             continue
         tok, slot = torch.where(topk_ids == e)
-        h = xf[tok] @ w13f[e].t()  # [n, 2I]
+        s13 = None if w13_scale is None else w13_scale[e]
+        s2 = None if w2_scale is None else w2_scale[e]
+        w13e = dequant_experts(w13[e], s13, fmt).to(compute_dtype)  # [2I, D]
+        w2e = dequant_experts(w2[e], s2, fmt).to(compute_dtype)  # [D, I]
+        inter = w13e.shape[0] // 2
+        h = xc[tok] @ w13e.t()  # [n, 2I]
         h = F.silu(h[:, :inter]) * h[:, inter:]  # [n, I]
-        y = h @ w2f[e].t()  # [n, D]
-        out.index_add_(0, tok, y * topk_weights[tok, slot, None].float())
+        y = h @ w2e.t()  # [n, D]
+        out.index_add_(0, tok, y.float() * topk_weights[tok, slot, None].float())
     return out.to(x.dtype)

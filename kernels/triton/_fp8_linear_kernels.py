@@ -32,13 +32,13 @@ def fp8_block_linear_kernel(
     stride_xsm,
     stride_ys,
     stride_ym,
+    SPLIT_K,  # runtime: the number of K splits (grid axis 2)
     # meta-parameters
     SCALE_E8M0: tl.constexpr,
     NATIVE_FP8: tl.constexpr,
     BLOCK_M: tl.constexpr,
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,
     F32_DOT: tl.constexpr,
 ):
     pid_n = tl.program_id(0)

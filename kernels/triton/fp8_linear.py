@@ -115,11 +115,11 @@ def fp8_block_linear(
         xin, xs, weight, scale, out,
         m, n, k,
         xin.stride(0), weight.stride(0), scale.stride(0), xs.stride(0),
-        out.stride(0) if split > 1 else 0, n,
+        out.stride(0) if split > 1 else 0, n, split,
         SCALE_E8M0=scale.dtype == torch.uint8,
         NATIVE_FP8=native_fp8,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        SPLIT_K=split, F32_DOT=interpreting(),
+        F32_DOT=interpreting(),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )  # fmt: skip
     if split > 1:

@@ -1,0 +1,262 @@
+"""`batchgen bench kernels`: the fused MoE and FP8 linear kernels at decode shapes, in GB/s
+and as a fraction of the device-to-device copy bandwidth measured in the same run, next to
+a plain torch implementation of the same op (experts looped and dequantized in bf16; the
+FP8 weight dequantized to bf16, then F.linear).
+
+Bytes counted per call: the weights the call touches (each distinct expert's codes and
+scales once), the activations read and the output written. Routings rotate among several
+random draws so the touched experts change between calls and the L2 (50 MB) does not
+serve them. `--tune` sweeps a few launch configs per case, keeps the fastest, and writes
+the tables kernels/triton/configs/*.json are made of.
+
+Runs on a CUDA GPU; also `python -m batchgen.bench.kernels` (imports torch, triton, click).
+"""
+
+from __future__ import annotations
+
+import itertools
+import json
+import math
+from dataclasses import dataclass
+from pathlib import Path
+
+import click
+import torch
+import torch.nn.functional as F
+
+from batchgen.bench.common import write_result
+
+ROUTINGS = 8
+
+
+@dataclass
+class MoeCase:
+    name: str
+    d: int
+    i: int
+    e: int
+    top_k: int
+    fmt: str
+    tokens: tuple[int, ...]
+
+
+MOE_CASES = [
+    MoeCase("moonlight-bf16", 2048, 1408, 64, 6, "bf16", (1, 2, 4, 8, 16, 32, 64)),
+    MoeCase("moonlight-fp8", 2048, 1408, 64, 6, "fp8", (1, 8, 64)),
+    MoeCase("deepseek-v3-fp8", 7168, 2048, 256, 8, "fp8", (1, 4, 8, 32, 64)),
+    MoeCase("v4-flash-mxfp4", 4096, 2048, 256, 6, "mxfp4", (1, 4, 8, 32, 64)),
+]
+LINEAR_SHAPES = [(18432, 7168), (7168, 18432), (32768, 4096), (4096, 32768)]  # (N, K)
+LINEAR_TOKENS = (1, 8, 64, 512)
+
+
+def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 150) -> float:
+    import triton.testing
+
+    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
+
+
+def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
+    """Device-to-device copy in bytes/s, counting bytes read plus bytes written."""
+    n = int(gib * 2**30)
+    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
+    dst = torch.empty_like(src)
+    ms = median_ms(lambda: dst.copy_(src))
+    return 2 * n / (ms * 1e-3)
+
+
+def _expert_bytes(case: MoeCase, w13, w2, s13, s2) -> int:
+    per = lambda t: 0 if t is None else t[0].numel() * t.element_size()  # noqa: E731
+    return per(w13) + per(w2) + per(s13) + per(s2)
+
+
+def make_moe_weights(case: MoeCase, device):
+    from kernels.reference.quant_formats import random_fp8_block, random_mxfp4
+
+    e, d, i = case.e, case.d, case.i
+    if case.fmt == "bf16":
+        w13 = torch.randn(e, 2 * i, d, device=device, dtype=torch.bfloat16) / math.sqrt(d)
+        w2 = torch.randn(e, d, i, device=device, dtype=torch.bfloat16) / math.sqrt(i)
+        return w13, w2, None, None
+    if case.fmt == "fp8":
+        w13, s13 = random_fp8_block((e, 2 * i, d), device=device)
+        w2, s2 = random_fp8_block((e, d, i), device=device)
+        return w13, w2, s13, s2
+    w13, s13 = random_mxfp4((e, 2 * i, d), device=device)
+    w2, s2 = random_mxfp4((e, d, i), device=device)
+    return w13, w2, s13, s2
+
+
+def _routings(case: MoeCase, t: int, device):
+    out = []
+    for _ in range(ROUTINGS):
+        scores = torch.rand(t, case.e, device=device)
+        w, ids = scores.topk(case.top_k, dim=-1)
+        out.append((w / w.sum(-1, keepdim=True), ids.to(torch.int32)))
+    return out
+
+
+def _moe_call(fn, x, weights, routings, **kw):
+    """A no-argument callable that runs fn on the next routing each call."""
+    w13, w2, s13, s2 = weights
+    it = itertools.cycle(routings)
+
+    def call():
+        w, ids = next(it)
+        return fn(x, w13, w2, w, ids, w13_scale=s13, w2_scale=s2, **kw)
+
+    return call
+
+
+def bench_moe(case: MoeCase, copy_bps: float, device, tune: bool) -> tuple[list[dict], dict]:
+    from kernels.reference.fused_moe import fused_moe_reference
+    from kernels.triton.fused_moe import default_config, fused_moe, shape_key
+
+    weights = make_moe_weights(case, device)
+    per_expert = _expert_bytes(case, *weights)
+    rows, tuned = [], {}
+    for t in case.tokens:
+        x = torch.randn(t, case.d, device=device, dtype=torch.bfloat16)
+        routings = _routings(case, t, device)
+        distinct = sum(torch.unique(ids).numel() for _, ids in routings) / len(routings)
+        nbytes = distinct * per_expert + t * case.d * 2 * 2  # + x read, out written
+        cfg = default_config(t * case.top_k, case.e, case.fmt)
+        if tune:
+            cands = _moe_candidates(cfg)
+            cfg = _tune([_moe_call(fused_moe, x, weights, routings, fmt=case.fmt, config=c)
+                         for c in cands], cands)  # fmt: skip
+            tuned[shape_key(t, case.top_k, case.e, case.d, case.i, case.fmt)] = cfg
+        ms = median_ms(_moe_call(fused_moe, x, weights, routings, fmt=case.fmt, config=cfg))
+        ref = _moe_call(fused_moe_reference, x, weights, routings, fmt=case.fmt,
+                        compute_dtype=torch.bfloat16)  # fmt: skip
+        ref_ms = median_ms(ref)
+        rows.append(_row("fused_moe", f"{case.name} T={t}", nbytes, ms, ref_ms, copy_bps, cfg))
+    return rows, tuned
+
+
+def bench_linear(n: int, k: int, copy_bps: float, device, tune: bool) -> tuple[list[dict], dict]:
+    from kernels.reference.quant_formats import dequant_fp8_block, random_fp8_block
+    from kernels.triton.fp8_linear import default_config, shape_key
+
+    q, s = random_fp8_block((n, k), device=device)
+    rows, tuned = [], {}
+    for m in LINEAR_TOKENS:
+        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+        nbytes = n * k + s.numel() * 4 + m * k * 2 + m * n * 2
+        for native in (False, True):
+            cfg = default_config(m, n, k, device)
+            if tune:
+                cands = _linear_candidates(m, cfg)
+                cfg = _tune([_linear_call(x, q, s, native, c) for c in cands], cands)
+                tuned[shape_key(m, n, k, native)] = cfg
+            ms = median_ms(_linear_call(x, q, s, native, cfg))
+            ref_ms = median_ms(lambda x=x: F.linear(x, dequant_fp8_block(q, s).to(torch.bfloat16)))
+            label = f"{n}x{k} M={m}" + (" native" if native else "")
+            row = _row("fp8_linear", label, nbytes, ms, ref_ms, copy_bps, cfg)
+            row["tflops"] = 2 * m * n * k / (ms * 1e-3) / 1e12
+            rows.append(row)
+    return rows, tuned
+
+
+def _linear_call(x, q, s, native, cfg):
+    from kernels.triton.fp8_linear import fp8_block_linear
+
+    return lambda: fp8_block_linear(x, q, s, native, config=cfg)
+
+
+def _row(op, case, nbytes, ms, ref_ms, copy_bps, cfg) -> dict:
+    gbs = nbytes / (ms * 1e-3) / 1e9
+    return dict(op=op, case=case, bytes=int(nbytes), ms=ms, gb_s=gbs,
+                copy_frac=gbs * 1e9 / copy_bps, floor_ms=nbytes / copy_bps * 1e3,
+                torch_ms=ref_ms, speedup_vs_torch=ref_ms / ms, config=cfg)  # fmt: skip
+
+
+def _moe_candidates(base: dict) -> list[dict]:
+    out = [base]
+    for bn, stages, warps in itertools.product((32, 64, 128), (3, 5), (4, 8)):
+        out.append(dict(base, BLOCK_N=bn, num_stages=stages, num_warps=warps))
+    return out
+
+
+def _linear_candidates(m: int, base: dict) -> list[dict]:
+    out = [base]
+    if m <= 32:
+        for bn, split, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (3, 5)):
+            out.append(dict(base, BLOCK_N=bn, SPLIT_K=split, num_stages=stages))
+    else:
+        for bm, bn, warps in itertools.product((64, 128), (64, 128, 256), (4, 8)):
+            out.append(dict(base, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, SPLIT_K=1))
+    return out
+
+
+def _tune(calls, candidates: list[dict]) -> dict:
+    best, best_ms = candidates[0], float("inf")
+    for call, cfg in zip(calls, candidates):
+        try:
+            ms = median_ms(call, warmup_ms=5, rep_ms=30)
+        except Exception as err:  # a config can exceed shared memory or registers
+            print(f"  skip {cfg}: {type(err).__name__}")
+            continue
+        if ms < best_ms:
+            best, best_ms = cfg, ms
+    return best
+
+
+def print_table(copy_bps: float, rows: list[dict]) -> None:
+    print(f"device-to-device copy: {copy_bps / 1e12:.2f} TB/s (read + write)")
+    head = f"{'op':10} {'case':32} {'MB':>8} {'us':>9} {'GB/s':>7} {'copy%':>6} {'torch us':>9} {'x':>6}"
+    print(head)
+    for r in rows:
+        print(f"{r['op']:10} {r['case']:32} {r['bytes'] / 1e6:8.1f} {r['ms'] * 1e3:9.1f} "
+              f"{r['gb_s']:7.0f} {100 * r['copy_frac']:5.1f}% {r['torch_ms'] * 1e3:9.1f} "
+              f"{r['speedup_vs_torch']:6.1f}")  # fmt: skip
+
+
+def run(tune: bool = False, tuned_dir: Path | None = None, only: str = "") -> dict:
+    """Run every case (or those whose name contains `only`); returns the JSON payload."""
+    if not torch.cuda.is_available():
+        raise click.ClickException("bench kernels needs a CUDA GPU")
+    device = torch.device("cuda")
+    torch.manual_seed(0)
+    copy_bps = copy_bandwidth(device)
+    rows, tables = [], {"fused_moe": {}, "fp8_linear": {}}
+    for case in MOE_CASES:
+        if only and only not in case.name:
+            continue
+        r, t = bench_moe(case, copy_bps, device, tune)
+        rows += r
+        tables["fused_moe"].update(t)
+    for n, k in LINEAR_SHAPES:
+        if only and only not in f"linear {n}x{k}":
+            continue
+        r, t = bench_linear(n, k, copy_bps, device, tune)
+        rows += r
+        tables["fp8_linear"].update(t)
+    print_table(copy_bps, rows)
+    if tune and tuned_dir is not None:
+        from kernels.triton.configs import device_key
+
+        tuned_dir.mkdir(parents=True, exist_ok=True)
+        for op, table in tables.items():
+            if table:
+                (tuned_dir / f"{op}.json").write_text(
+                    json.dumps({device_key(device): table}, indent=1)
+                )
+    return {"copy_tb_s": copy_bps / 1e12, "tuned": tune, "results": rows}
+
+
+@click.command("kernels")
+@click.option("--tune", is_flag=True, help="Sweep launch configs per case and keep the best.")
+@click.option("--tuned-dir", type=click.Path(path_type=Path), default=None,
+              help="Where --tune writes fused_moe.json / fp8_linear.json.")  # fmt: skip
+@click.option("--only", default="", help="Run only cases whose name contains this.")
+@click.option("--name", default="kernels-h200", show_default=True, help="JSON file name.")
+def command(tune: bool, tuned_dir: Path | None, only: str, name: str) -> None:
+    """Fused MoE and FP8 linear: GB/s and % of copy bandwidth, vs plain torch."""
+    payload = run(tune=tune, tuned_dir=tuned_dir, only=only)
+    path = write_result(name, payload)
+    click.echo(f"wrote {path}")
+
+
+if __name__ == "__main__":
+    command()
