@@ -83,9 +83,9 @@ def sample_kernel(
     pivot = pivot - 1e-6 * tl.abs(pivot)  # keep the boundary token (z == log(min_p))
 
     result = best
-    done = greedy
+    done = greedy.to(tl.int32)
     rnd = 0
-    while (not done) & (rnd < MAX_ROUNDS):
+    while (done == 0) & (rnd < MAX_ROUNDS):
         # Draw: argmax of z + Gumbel over z > pivot.
         race_best = float("-inf")
         winner = best
@@ -110,7 +110,7 @@ def sample_kernel(
         ok = (above < top_k) & (mass / z_sum < top_p)
         ok = ok | (race_best == float("-inf"))  # nothing left above the pivot: cannot happen
         result = tl.where(ok, winner, result)
-        done = ok
+        done = ok.to(tl.int32)
         pivot = z_w
         rnd += 1
     tl.store(out_ptr + row, result.to(tl.int64))
