@@ -17,6 +17,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from kernels.formats.e8m0 import check_e8m0, e8m0_bytes
+
 # Dequantize-on-the-fly works on row tiles of about this many elements, so no full float
 # copy of a large weight exists at once.
 TILE_ELEMENTS = 1 << 22
@@ -37,6 +39,20 @@ def tiled_matmul(x: torch.Tensor, out_features: int, in_features: int, rows_of) 
         r1 = min(out_features, r0 + step)
         y[..., r0:r1] = F.linear(x, rows_of(r0, r1, x.dtype))
     return y
+
+
+def expert_tensor_name(prefix: str, expert: int, leaf: str) -> str:
+    """`...experts.gate_proj` + 5 + `scale` -> the checkpoint's `...experts.5.gate_proj.scale`."""
+    owner, _, proj = prefix.rpartition(".")
+    return f"{owner}.{expert}.{proj}.{leaf}"
+
+
+def check_expert_e8m0(scale: torch.Tensor, prefix: str, leaf: str) -> None:
+    """Reject NaN (255) E8M0 scales, naming the first bad expert's own tensor."""
+    bad = e8m0_bytes(scale) == 255
+    if bool(bad.any()):
+        expert = int(bad.nonzero()[0, 0])
+        check_e8m0(scale[expert], expert_tensor_name(prefix, expert, leaf))
 
 
 def stored_param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:

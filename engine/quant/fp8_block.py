@@ -12,7 +12,12 @@ import torch
 from torch import nn
 
 from engine.quant.base import WeightFormat
-from engine.quant.expert_format import ExpertWeightFormat, stored_param, tiled_matmul
+from engine.quant.expert_format import (
+    ExpertWeightFormat,
+    check_expert_e8m0,
+    stored_param,
+    tiled_matmul,
+)
 from kernels.formats.e8m0 import check_e8m0
 from kernels.formats.fp8 import BLOCK, FP8_DTYPE, dequantize_fp8_block, scale_grid
 
@@ -62,7 +67,7 @@ class Fp8BlockFormat(WeightFormat, ExpertWeightFormat):
 
     def process_expert_weights_after_loading(self, module, prefix):
         if self.scale_format == "e8m0":
-            check_e8m0(getattr(module, self.scale_name), f"{prefix}.{self.scale_name}")
+            check_expert_e8m0(getattr(module, self.scale_name), prefix, self.scale_name)
 
     def expert_weight(self, module, expert, dtype):
         scale = getattr(module, self.scale_name)[expert]

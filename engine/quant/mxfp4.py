@@ -9,7 +9,12 @@ from __future__ import annotations
 import torch
 
 from engine.quant.base import WeightFormat
-from engine.quant.expert_format import ExpertWeightFormat, stored_param, tiled_matmul
+from engine.quant.expert_format import (
+    ExpertWeightFormat,
+    check_expert_e8m0,
+    stored_param,
+    tiled_matmul,
+)
 from kernels.formats.e8m0 import check_e8m0
 from kernels.formats.mxfp4 import GROUP, dequantize_mxfp4
 
@@ -53,7 +58,7 @@ class Mxfp4Format(WeightFormat, ExpertWeightFormat):
         module.scale = stored_param((num_experts, out_features, in_features // GROUP), torch.uint8)
 
     def process_expert_weights_after_loading(self, module, prefix):
-        check_e8m0(module.scale, f"{prefix}.scale")
+        check_expert_e8m0(module.scale, prefix, "scale")
 
     def expert_weight(self, module, expert, dtype):
         return dequantize_mxfp4(module.weight[expert], module.scale[expert], dtype=dtype)

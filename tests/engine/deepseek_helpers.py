@@ -156,3 +156,31 @@ class PagedRunner:
             out.append(logits[start : start + len(toks)])
             start += len(toks)
         return out
+
+
+def read_checkpoint(path):
+    """(config dict, iterator of (name, tensor)) from a safetensors checkpoint directory."""
+    import json
+    from pathlib import Path
+
+    from safetensors import safe_open
+
+    path = Path(path)
+    config = json.loads((path / "config.json").read_text())
+
+    def tensors():
+        for file in sorted(path.glob("*.safetensors")):
+            with safe_open(str(file), framework="pt") as f:
+                for name in f.keys():  # noqa: SIM118 (safe_open is not a dict)
+                    yield name, f.get_tensor(name)
+
+    return config, tensors()
+
+
+def load_engine_model(path, **kwargs):
+    from engine.models.deepseek_v3 import DeepseekV3ForCausalLM
+
+    config, tensors = read_checkpoint(path)
+    model = DeepseekV3ForCausalLM(config, **kwargs).eval()
+    model.load_weights(tensors)
+    return model

@@ -1,0 +1,404 @@
+"""Random-weight DeepSeek-V3-family checkpoints in the official layout, for tests and
+benchmarks (`batchgen models make-random`). Nobody downloads weights.
+
+Writes config.json, sharded safetensors with model.safetensors.index.json (per-expert
+tensor names, the MTP layer at model.layers.{num_hidden_layers}), generation_config.json
+and a byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json).
+
+Weights: every tensor is drawn from its own generator seeded by (seed, name), so a bf16
+and an fp8 / mxfp4 checkpoint with the same seed hold the same weights before
+quantization. Linears ~ N(0, 1/fan_in) so activations stay O(1) through many layers;
+norms ~ 1 + N(0, 0.1^2); embeddings ~ N(0, 1); router weights ~ N(0, 1/D) and correction
+bias ~ N(0, 0.1^2), so routing depends on the data. On CUDA the weights are drawn and
+quantized on the GPU. Shards are written one at a time: peak host memory is about one
+shard plus one tensor.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import zlib
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from kernels.formats.fp8 import quantize_fp8_block
+from kernels.formats.mxfp4 import quantize_mxfp4
+
+# Sources of the preset numbers:
+# - deepseek-v3-671b: transformers' DeepseekV3Config defaults, which equal
+#   deepseek-ai/DeepSeek-V3's config.json (see ../shared/MODELS.md section 1), plus the
+#   YaRN block of that config.json (factor 40, original 4096, beta 32/1, mscale 1/1).
+# - moonlight-16b-a3b: moonshotai/Moonlight-16B-A3B config.json as published (27 layers,
+#   1 dense + 26 MoE, 64 routed experts top-6 + 2 shared, kv_lora_rank 512, no q_lora,
+#   hidden 2048, 16 heads, moe_intermediate 1408, intermediate 11264, vocab 163840,
+#   rope_theta 50000 without scaling, rms_norm_eps 1e-5, routed_scaling_factor 2.446,
+#   n_group = topk_group = 1, noaux_tc / sigmoid, max_position_embeddings 8192). Moonlight
+#   ships no MTP layer; the maker adds one so MTP can be benchmarked at these shapes.
+# - tiny: small enough for CPU tests, with every feature on (q_lora, groups with
+#   topk_group < n_group, a dense layer, shared experts) and dims that suit MXFP4 (x32).
+PRESETS: dict[str, dict] = {
+    "tiny": dict(
+        vocab_size=258,
+        hidden_size=64,
+        intermediate_size=96,
+        moe_intermediate_size=32,
+        num_hidden_layers=3,
+        num_attention_heads=4,
+        num_key_value_heads=4,
+        n_shared_experts=1,
+        n_routed_experts=8,
+        num_experts_per_tok=2,
+        routed_scaling_factor=2.5,
+        n_group=2,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=32,
+        q_lora_rank=48,
+        qk_rope_head_dim=8,
+        qk_nope_head_dim=16,
+        v_head_dim=16,
+        max_position_embeddings=512,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=None,
+    ),
+    "moonlight-16b-a3b": dict(
+        vocab_size=163840,
+        hidden_size=2048,
+        intermediate_size=11264,
+        moe_intermediate_size=1408,
+        num_hidden_layers=27,
+        num_attention_heads=16,
+        num_key_value_heads=16,
+        n_shared_experts=2,
+        n_routed_experts=64,
+        num_experts_per_tok=6,
+        routed_scaling_factor=2.446,
+        n_group=1,
+        topk_group=1,
+        first_k_dense_replace=1,
+        kv_lora_rank=512,
+        q_lora_rank=None,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        max_position_embeddings=8192,
+        rms_norm_eps=1e-5,
+        rope_theta=50000.0,
+        rope_scaling=None,
+    ),
+    "deepseek-v3-671b": dict(
+        vocab_size=129280,
+        hidden_size=7168,
+        intermediate_size=18432,
+        moe_intermediate_size=2048,
+        num_hidden_layers=61,
+        num_attention_heads=128,
+        num_key_value_heads=128,
+        n_shared_experts=1,
+        n_routed_experts=256,
+        num_experts_per_tok=8,
+        routed_scaling_factor=2.5,
+        n_group=8,
+        topk_group=4,
+        first_k_dense_replace=3,
+        kv_lora_rank=512,
+        q_lora_rank=1536,
+        qk_rope_head_dim=64,
+        qk_nope_head_dim=128,
+        v_head_dim=128,
+        max_position_embeddings=163840,
+        rms_norm_eps=1e-6,
+        rope_theta=10000.0,
+        rope_scaling=dict(
+            type="yarn",
+            factor=40,
+            original_max_position_embeddings=4096,
+            beta_fast=32,
+            beta_slow=1,
+            mscale=1.0,
+            mscale_all_dim=1.0,
+        ),
+    ),
+}
+DENSE_DTYPES = ("bf16", "fp8")
+EXPERT_DTYPES = ("bf16", "fp8", "mxfp4")
+BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
+DEFAULT_SHARD_BYTES = 4 << 30
+
+
+def make_random_checkpoint(
+    out: str | Path,
+    *,
+    arch: str = "deepseek_v3",
+    preset: str = "tiny",
+    layers: int | None = None,
+    dense_dtype: str = "bf16",
+    expert_dtype: str = "bf16",
+    seed: int = 0,
+    device: str = "auto",
+    mtp: bool = True,
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Path:
+    """Write the checkpoint into `out` (created; must be empty if it exists) and return it."""
+    if arch not in ("deepseek_v3", "DeepseekV3ForCausalLM"):
+        raise ValueError(f"make-random supports arch 'deepseek_v3', got {arch!r}")
+    if preset not in PRESETS:
+        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
+    if dense_dtype not in DENSE_DTYPES:
+        raise ValueError(f"dense dtype {dense_dtype!r}: choose one of {DENSE_DTYPES}")
+    if expert_dtype not in EXPERT_DTYPES:
+        raise ValueError(f"expert dtype {expert_dtype!r}: choose one of {EXPERT_DTYPES}")
+    if layers is not None and layers < 1:
+        raise ValueError(f"--layers must be >= 1, got {layers}")
+    out = Path(out)
+    if out.exists() and any(out.iterdir()):
+        raise ValueError(f"output directory {out} is not empty")
+    out.mkdir(parents=True, exist_ok=True)
+    if device == "auto":
+        device = "cuda" if torch.cuda.is_available() else "cpu"
+
+    config = build_config(preset, layers, dense_dtype, expert_dtype, mtp)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "generation_config.json").write_text(
+        json.dumps({"bos_token_id": 256, "eos_token_id": 257, "do_sample": False}, indent=2)
+    )
+    write_tokenizer(out, config["max_position_embeddings"])
+    writer = _ShardWriter(out, shard_bytes)
+    for name, tensor in _tensors(config, dense_dtype, expert_dtype, seed, torch.device(device)):
+        writer.add(name, tensor)
+    writer.close()
+    return out
+
+
+def build_config(
+    preset: str, layers: int | None, dense_dtype: str, expert_dtype: str, mtp: bool
+) -> dict:
+    shape = dict(PRESETS[preset])
+    if layers is not None:
+        # Fewer layers, real shapes; keep at least one MoE layer when there are two or more.
+        shape["num_hidden_layers"] = layers
+        shape["first_k_dense_replace"] = min(shape["first_k_dense_replace"], max(layers - 1, 0))
+    config = {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        **shape,
+        "topk_method": "noaux_tc",
+        "scoring_func": "sigmoid",
+        "norm_topk_prob": True,
+        "moe_layer_freq": 1,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "tie_word_embeddings": False,
+        "num_nextn_predict_layers": 1 if mtp else 0,
+        "bos_token_id": 256,
+        "eos_token_id": 257,
+        "torch_dtype": "bfloat16",
+        "batchgen_random_preset": preset,
+    }
+    if config["rope_scaling"] is None:
+        del config["rope_scaling"]
+    if dense_dtype == "fp8":
+        config["quantization_config"] = {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
+    if expert_dtype != dense_dtype:
+        # DeepSeek-V4's inference config spells the expert format this way.
+        config["expert_dtype"] = {"bf16": "bf16", "fp8": "fp8", "mxfp4": "fp4"}[expert_dtype]
+    return config
+
+
+def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
+    gen = torch.Generator(device=device)
+    gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
+    return gen
+
+
+def _draw(name: str, shape: tuple[int, ...], std: float, mean: float, seed, device):
+    gen = _generator(seed, name, device)
+    return torch.randn(shape, generator=gen, device=device) * std + mean
+
+
+def _linear(name, out_f, in_f, fmt, seed, device) -> Iterator[tuple[str, torch.Tensor]]:
+    w = _draw(f"{name}.weight", (out_f, in_f), 1 / math.sqrt(in_f), 0.0, seed, device)
+    if fmt == "fp8":
+        codes, scale_inv = quantize_fp8_block(w, "float32")
+        yield f"{name}.weight", codes
+        yield f"{name}.weight_scale_inv", scale_inv
+    elif fmt == "mxfp4":
+        packed, scales = quantize_mxfp4(w)
+        yield f"{name}.weight", packed
+        yield f"{name}.scale", scales
+    else:
+        yield f"{name}.weight", w.to(torch.bfloat16)
+
+
+def _norm(name, dim, seed, device):
+    yield f"{name}.weight", _draw(f"{name}.weight", (dim,), 0.1, 1.0, seed, device).bfloat16()
+
+
+def _layer(config, index, dense, experts, seed, device) -> Iterator[tuple[str, torch.Tensor]]:
+    p = f"model.layers.{index}"
+    D, H = config["hidden_size"], config["num_attention_heads"]
+    nope, rope, v = config["qk_nope_head_dim"], config["qk_rope_head_dim"], config["v_head_dim"]
+    R, Q = config["kv_lora_rank"], config["q_lora_rank"]
+    yield from _norm(f"{p}.input_layernorm", D, seed, device)
+    yield from _norm(f"{p}.post_attention_layernorm", D, seed, device)
+    a = f"{p}.self_attn"
+    if Q:
+        yield from _linear(f"{a}.q_a_proj", Q, D, dense, seed, device)
+        yield from _norm(f"{a}.q_a_layernorm", Q, seed, device)
+        yield from _linear(f"{a}.q_b_proj", H * (nope + rope), Q, dense, seed, device)
+    else:
+        yield from _linear(f"{a}.q_proj", H * (nope + rope), D, dense, seed, device)
+    yield from _linear(f"{a}.kv_a_proj_with_mqa", R + rope, D, dense, seed, device)
+    yield from _norm(f"{a}.kv_a_layernorm", R, seed, device)
+    yield from _linear(f"{a}.kv_b_proj", H * (nope + v), R, dense, seed, device)
+    yield from _linear(f"{a}.o_proj", D, H * v, dense, seed, device)
+    m = f"{p}.mlp"
+    if index < config["first_k_dense_replace"]:
+        inter = config["intermediate_size"]
+        yield from _linear(f"{m}.gate_proj", inter, D, dense, seed, device)
+        yield from _linear(f"{m}.up_proj", inter, D, dense, seed, device)
+        yield from _linear(f"{m}.down_proj", D, inter, dense, seed, device)
+        return
+    E, inter = config["n_routed_experts"], config["moe_intermediate_size"]
+    router = _draw(f"{m}.gate.weight", (E, D), 1 / math.sqrt(D), 0.0, seed, device)
+    yield f"{m}.gate.weight", router.bfloat16()
+    bias_name = f"{m}.gate.e_score_correction_bias"
+    yield bias_name, _draw(bias_name, (E,), 0.1, 0.0, seed, device)
+    for e in range(E):
+        x = f"{m}.experts.{e}"
+        yield from _linear(f"{x}.gate_proj", inter, D, experts, seed, device)
+        yield from _linear(f"{x}.up_proj", inter, D, experts, seed, device)
+        yield from _linear(f"{x}.down_proj", D, inter, experts, seed, device)
+    shared = inter * config["n_shared_experts"]
+    if shared:
+        s = f"{m}.shared_experts"
+        yield from _linear(f"{s}.gate_proj", shared, D, dense, seed, device)
+        yield from _linear(f"{s}.up_proj", shared, D, dense, seed, device)
+        yield from _linear(f"{s}.down_proj", D, shared, dense, seed, device)
+
+
+def _tensors(config, dense_dtype, expert_dtype, seed, device):
+    D, V, L = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
+    embed = _draw("model.embed_tokens.weight", (V, D), 1.0, 0.0, seed, device).bfloat16()
+    yield "model.embed_tokens.weight", embed
+    for i in range(L):
+        yield from _layer(config, i, dense_dtype, expert_dtype, seed, device)
+    yield from _norm("model.norm", D, seed, device)
+    yield from _linear("lm_head", V, D, "bf16", seed, device)
+    for j in range(config["num_nextn_predict_layers"]):
+        p = f"model.layers.{L + j}"
+        yield f"{p}.embed_tokens.weight", embed.clone()  # the official checkpoint repeats it
+        yield from _norm(f"{p}.enorm", D, seed, device)
+        yield from _norm(f"{p}.hnorm", D, seed, device)
+        yield from _linear(f"{p}.eh_proj", D, 2 * D, "bf16", seed, device)
+        yield from _layer(config, L + j, dense_dtype, expert_dtype, seed, device)
+        yield from _norm(f"{p}.shared_head.norm", D, seed, device)
+        head = _draw("lm_head.weight", (V, D), 1 / math.sqrt(D), 0.0, seed, device)
+        yield f"{p}.shared_head.head.weight", head.bfloat16()
+
+
+class _ShardWriter:
+    """Collects tensors on the host until a shard is full, writes it, and at the end
+    renames the shards model-0000i-of-0000N.safetensors and writes the index."""
+
+    def __init__(self, out: Path, shard_bytes: int) -> None:
+        self.out, self.shard_bytes = out, shard_bytes
+        self.pending: dict[str, torch.Tensor] = {}
+        self.pending_bytes = 0
+        self.files: list[Path] = []
+        self.weight_map: dict[str, int] = {}
+        self.total = 0
+
+    def add(self, name: str, tensor: torch.Tensor) -> None:
+        nbytes = tensor.numel() * tensor.element_size()
+        if self.pending and self.pending_bytes + nbytes > self.shard_bytes:
+            self._flush()
+        self.pending[name] = tensor.detach().to("cpu").contiguous()
+        self.pending_bytes += nbytes
+        self.weight_map[name] = len(self.files)
+        self.total += nbytes
+
+    def _flush(self) -> None:
+        from safetensors.torch import save_file
+
+        path = self.out / f"shard-{len(self.files):05d}.tmp"
+        save_file(self.pending, str(path), metadata={"format": "pt"})
+        self.files.append(path)
+        self.pending, self.pending_bytes = {}, 0
+
+    def close(self) -> None:
+        if self.pending:
+            self._flush()
+        n = len(self.files)
+        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
+        for path, final in zip(self.files, names, strict=True):
+            path.rename(self.out / final)
+        index = {
+            "metadata": {"total_size": self.total},
+            "weight_map": {k: names[i] for k, i in self.weight_map.items()},
+        }
+        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
+
+
+def write_tokenizer(out: Path, max_length: int) -> None:
+    """A byte-level BPE over the 256 byte symbols (ids 0..255) plus BOS 256 and EOS 257:
+    it encodes any text and fits every preset's vocabulary."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    byte_to_symbol = _byte_symbols()
+    if sorted(alphabet) != sorted(byte_to_symbol):
+        raise RuntimeError("unexpected byte-level alphabet in the tokenizers library")
+    vocab = {sym: i for i, sym in enumerate(byte_to_symbol)}
+    vocab[BOS], vocab[EOS] = 256, 257
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens([BOS, EOS])
+    tok.post_processor = processors.TemplateProcessing(
+        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 256)]
+    )
+    tok.save(str(out / "tokenizer.json"))
+    template = (
+        "{{ bos_token }}{% for m in messages %}"
+        "{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
+        "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}{{ eos_token }}"
+        "{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
+        "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
+    )
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "bos_token": BOS,
+        "eos_token": EOS,
+        "pad_token": EOS,
+        "add_bos_token": True,
+        "model_max_length": max_length,
+        "chat_template": template,
+    }
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
+
+
+def _byte_symbols() -> list[str]:
+    """GPT-2's printable stand-in for each byte value, in byte order (id = byte value)."""
+    printable = (
+        list(range(ord("!"), ord("~") + 1))
+        + list(range(ord("¡"), ord("¬") + 1))
+        + list(range(ord("®"), ord("ÿ") + 1))
+    )
+    symbols, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            symbols[b] = chr(b)
+        else:
+            symbols[b] = chr(256 + extra)
+            extra += 1
+    return [symbols[b] for b in range(256)]
