@@ -55,14 +55,16 @@ def model_fingerprint(model_dir: Path) -> str:
     Built from the directory name and its small config files (not the absolute path), so
     the same model installed elsewhere shares a cache, and a different one never does.
     """
+    # A bundled model often sits in a directory called just "model": name its parent too.
+    name = model_dir.name if model_dir.name != "model" else f"{model_dir.parent.name}-model"
     digest = hashlib.blake2b(digest_size=8)
-    digest.update(model_dir.name.encode())
-    for name in ("modules.json", "config.json", "config_sentence_transformers.json"):
-        config = model_dir / name
+    digest.update(name.encode())
+    for config_name in ("modules.json", "config.json", "config_sentence_transformers.json"):
+        config = model_dir / config_name
         if config.is_file():
-            digest.update(name.encode())
+            digest.update(config_name.encode())
             digest.update(config.read_bytes())
-    return f"{model_dir.name}-{digest.hexdigest()}"
+    return f"{name}-{digest.hexdigest()}"
 
 
 def pick_device(device: str = "auto") -> str:
