@@ -129,12 +129,12 @@ def default_llm():
 def test_sample_job_runs_every_id_once(name, default_llm, tmp_path):
     """Each sample job as committed, on its first rows and with short completions."""
     job = yaml.safe_load((REPO / "jobs" / f"{name}.yaml").read_text())
-    source = pl.read_parquet(REPO / job["input"]["path"]).head(4)
+    source = pl.read_parquet(REPO / job["input"]["path"]).head(3)
     subset = tmp_path / "subset.parquet"
     source.write_parquet(subset)
     job["input"]["path"] = str(subset)
     job["output"]["path"] = str(tmp_path / "run")
-    job["sampling"]["max_tokens"] = 6
+    job["sampling"]["max_tokens"] = 4
     assert _run(job, default_llm, job_path=f"jobs/{name}.yaml").exit_code == EXIT_OK
     df = pl.read_parquet(tmp_path / "run" / "results" / "*.parquet")
     id_col = job["input"].get("id_column", "id")
