@@ -83,6 +83,12 @@ class SamplingSpec(_Section):
 
 class BatchingSpec(_Section):
     cluster: str = Field("auto", description="auto | off | a column holding task labels")
+    num_clusters: int | None = Field(
+        None, ge=1, description="cluster: auto with a fixed number of clusters (default: chosen)"
+    )
+    embedding_model: str = Field(
+        "default", description="sentence-transformers model directory for cluster: auto"
+    )
     max_num_seqs: int | None = Field(None, ge=1)
     max_num_batched_tokens: int | None = Field(None, ge=1)
     plan_window: int = Field(

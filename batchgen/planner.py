@@ -10,7 +10,13 @@ Modes:
 - a column of task labels: each label is a group; inside a window rows are ordered by
   group, then length. The label -> id map is kept in the run directory so a resumed run
   gives the same ids.
-- auto: embedding-based clustering is not in the planner yet; it runs as `off` and says so.
+- auto: each row's group is its task cluster (batchgen.task_clusters, set by the run loop).
+
+Given a spill directory, a job with groups (auto or a column) is planned cluster by
+cluster instead: rows are spilled to one bucket file per group, and once the input is read
+the buckets are fed largest first, each in windows of `plan_window` rows sorted by length.
+A running batch then holds one task for as long as its cluster lasts, and memory stays
+bounded by the window whatever the input size.
 """
 
 from __future__ import annotations
@@ -18,6 +24,9 @@ from __future__ import annotations
 import json
 import logging
 import os
+import pickle
+import shutil
+from collections import Counter
 from collections.abc import Iterable, Iterator
 from pathlib import Path
 
@@ -59,7 +68,7 @@ class ClusterLabels:
 
 
 def cluster_mode(spec: BatchingSpec) -> str:
-    """ "off", "column" or "auto" (which, for now, plans as "off")."""
+    """ "off", "column" or "auto"."""
     if spec.cluster == "off":
         return "off"
     if spec.cluster == "auto":
@@ -69,10 +78,7 @@ def cluster_mode(spec: BatchingSpec) -> str:
 
 def log_cluster_mode(spec: BatchingSpec) -> None:
     if cluster_mode(spec) == "auto":
-        log.info(
-            "batching.cluster: auto - task clustering is not available yet; "
-            "planning by prompt length only (as cluster: off)"
-        )
+        log.info("batching.cluster: auto - prompts are embedded and clustered by task type")
 
 
 def _window_order(row: PreparedRow) -> tuple[int, int]:
@@ -80,9 +86,15 @@ def _window_order(row: PreparedRow) -> tuple[int, int]:
     return (group, -row.num_prompt_tokens)
 
 
-def plan_rows(rows: Iterable[PreparedRow], spec: BatchingSpec) -> Iterator[PreparedRow]:
+def plan_rows(
+    rows: Iterable[PreparedRow], spec: BatchingSpec, spill_dir: Path | None = None
+) -> Iterator[PreparedRow]:
     """Yield rows in planned order. Rows with an error are passed on at once (they never
-    reach the engine); the rest are ordered inside windows of `spec.plan_window` rows."""
+    reach the engine); the rest are ordered inside windows of `spec.plan_window` rows, or,
+    with a spill_dir and a clustered mode, cluster by cluster (see the module doc)."""
+    if spill_dir is not None and cluster_mode(spec) != "off":
+        yield from plan_by_cluster(rows, spec, spill_dir)
+        return
     window: list[PreparedRow] = []
     for row in rows:
         if row.error is not None:
@@ -95,3 +107,68 @@ def plan_rows(rows: Iterable[PreparedRow], spec: BatchingSpec) -> Iterator[Prepa
             window = []
     window.sort(key=_window_order)
     yield from window
+
+
+class ClusterBuckets:
+    """One append-only spill file per group in `directory`, holding pickled batches of
+    PreparedRows. The files belong to one session: a new session starts them afresh."""
+
+    _FLUSH_ROWS = 256
+
+    def __init__(self, directory: Path):
+        self.directory = directory
+        shutil.rmtree(directory, ignore_errors=True)
+        directory.mkdir(parents=True)
+        self.sizes: Counter = Counter()
+        self._pending: dict[int | None, list[PreparedRow]] = {}
+
+    def _path(self, group: int | None) -> Path:
+        return self.directory / f"group-{'none' if group is None else group}.pkl"
+
+    def add(self, row: PreparedRow) -> None:
+        self.sizes[row.group] += 1
+        pending = self._pending.setdefault(row.group, [])
+        pending.append(row)
+        if len(pending) >= self._FLUSH_ROWS:
+            self._flush(row.group)
+
+    def _flush(self, group: int | None) -> None:
+        with open(self._path(group), "ab") as f:
+            pickle.dump(self._pending.pop(group), f, protocol=pickle.HIGHEST_PROTOCOL)
+
+    def drain(self, window_rows: int) -> Iterator[PreparedRow]:
+        """Every group, largest first (rows without a group last), in windows of
+        `window_rows` sorted longest prompt first; each file is deleted once read."""
+        for group in list(self._pending):
+            self._flush(group)
+        order = sorted(self.sizes, key=lambda g: (g is None, -self.sizes[g], g or 0))
+        for group in order:
+            path = self._path(group)
+            window: list[PreparedRow] = []
+            with open(path, "rb") as f:
+                while True:
+                    try:
+                        window.extend(pickle.load(f))
+                    except EOFError:
+                        break
+                    while len(window) >= window_rows:
+                        head, window = window[:window_rows], window[window_rows:]
+                        head.sort(key=lambda r: -r.num_prompt_tokens)
+                        yield from head
+            window.sort(key=lambda r: -r.num_prompt_tokens)
+            yield from window
+            path.unlink()
+        shutil.rmtree(self.directory, ignore_errors=True)
+
+
+def plan_by_cluster(
+    rows: Iterable[PreparedRow], spec: BatchingSpec, spill_dir: Path
+) -> Iterator[PreparedRow]:
+    """Cluster-by-cluster order: spill every row to its group's bucket, then drain."""
+    buckets = ClusterBuckets(spill_dir)
+    for row in rows:
+        if row.error is not None:
+            yield row
+            continue
+        buckets.add(row)
+    yield from buckets.drain(spec.plan_window)

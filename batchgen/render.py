@@ -6,6 +6,7 @@ The template runs in Jinja2's sandbox and row values are passed in as data: a va
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Protocol
 
 from jinja2 import StrictUndefined, TemplateSyntaxError, meta
@@ -46,6 +47,13 @@ def template_columns(template: str) -> set[str]:
     except TemplateSyntaxError as exc:
         raise JobError(f"prompt.template: not a valid Jinja2 template: {exc}") from None
     return set(meta.find_undeclared_variables(ast))
+
+
+def template_text(template: str) -> Callable[[dict[str, Any]], str]:
+    """The job template alone over a row's values, in the same sandbox: the user message
+    without system prompt, chat template or tokenizer. Task clustering embeds this text."""
+    compiled = _environment().from_string(template)
+    return lambda values: compiled.render(**values)
 
 
 class PromptRenderer:

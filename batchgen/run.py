@@ -165,6 +165,7 @@ class _Loop:
         self.budget_rows = ctx.job.errors.budget * ctx.total_rows * self.n
         self.budget_exceeded = False
         self.fed_all = False
+        self.spill_dir: Path | None = None  # where the planner spills rows by cluster
 
     def _prepared(self) -> Iterator[PreparedRow]:
         for row in self.ctx.input.rows():
@@ -182,7 +183,7 @@ class _Loop:
     def requests(self) -> Iterator:
         from engine import Request
 
-        for row in plan_rows(self._prepared(), self.job.batching):
+        for row in plan_rows(self._prepared(), self.job.batching, self.spill_dir):
             if self.stop.requested or self.budget_exceeded:
                 return
             if row.error is not None:
@@ -294,6 +295,11 @@ def run_job(
     labels = None
     if cluster_mode(job.batching) == "column":
         labels = ClusterLabels(job.batching.cluster, run_dir.clusters_file)
+    elif cluster_mode(job.batching) == "auto":
+        from batchgen.task_clusters import cluster_job  # pulls in scikit-learn
+
+        # Embeds every input row once (cached in the run dir: a resumed run reloads it).
+        labels = cluster_job(job, ctx.input.rows(), run_dir.path / "clusters").cursor()
     progress = progress or Progress(run_dir.progress_file)
     writer = PartWriter(
         run_dir,
@@ -305,6 +311,7 @@ def run_job(
         in_input_order=job.output.order == "input",
     )
     loop = _Loop(ctx, llm, renderer, writer, stats, progress, done_ids, labels)
+    loop.spill_dir = run_dir.path / "plan"
     progress.start(stats, title=f"batchgen run {job_path}")
     started = time.time()
     try:

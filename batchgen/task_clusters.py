@@ -279,6 +279,7 @@ def build_task_clusters(
     directory = Path(directory)
     stored = load_task_clusters(directory, settings)
     if stored is not None:
+        log.info("task clusters: reloaded %d clusters from %s", len(stored.clusters), directory)
         return stored
     directory.mkdir(parents=True, exist_ok=True)
     (directory / "clusters.json").unlink(missing_ok=True)
@@ -334,6 +335,13 @@ def build_task_clusters(
     }
     # Written last: its presence is what makes the result complete.
     _write_atomic(directory / "clusters.json", json.dumps(meta, indent=2, ensure_ascii=False))
+    log.info(
+        "task clusters: embedded %d texts (%d found in the cache), %d clusters -> %s",
+        result.texts_embedded,
+        cached.hits,
+        len(clusters),
+        directory,
+    )
     return result
 
 
