@@ -102,15 +102,16 @@ def choose_k(
         search = search[np.sort(rng.choice(len(search), config.k_search_rows, replace=False))]
     scores: dict[int, float] = {}
     best_k = None
-    for k in range(2, upper + 1):
-        labels = _kmeans(search, k, config.seed).labels_
-        if len(np.unique(labels)) < 2:
-            continue
-        scores[k] = float(silhouette_score(search, labels))
-        if best_k is None or scores[k] > scores[best_k]:
-            best_k = k
-        elif k - best_k >= config.k_patience:
-            break
+    with threadpool_limits(limits=config.threads):
+        for k in range(2, upper + 1):
+            labels = _kmeans(search, k, config.seed).labels_
+            if len(np.unique(labels)) < 2:
+                continue
+            scores[k] = float(silhouette_score(search, labels))
+            if best_k is None or scores[k] > scores[best_k]:
+                best_k = k
+            elif k - best_k >= config.k_patience:
+                break
     if not scores:
         return 1, {}
     return max(scores, key=lambda k: (scores[k], -k)), scores
