@@ -58,20 +58,6 @@ def e8m0_to_f32(s):
 
 
 @triton.jit
-def e2m1_to_f32(code):
-    """E2M1 nibble (0..15: sign, 2 exponent bits, 1 mantissa bit) to float32, exactly the
-    table [0, .5, 1, 1.5, 2, 3, 4, 6] with the sign in bit 3. Built from float32 bits so no
-    lookup table is needed: a normal code is (1 + m/2) * 2^(e-1), code 1 is 0.5."""
-    c = code.to(tl.int32)
-    e = (c >> 1) & 3
-    m = c & 1
-    normal = ((e + 126) << 23) | (m << 22)
-    sub = m * (126 << 23)  # e == 0: 0.0 or 0.5
-    bits = tl.where(e == 0, sub, normal) | ((c & 8) << 28)
-    return bits.to(tl.float32, bitcast=True)
-
-
-@triton.jit
 def f32_to_e4m3_bits(v):
     """Round float32 to E4M3 (round to nearest even, saturating at +-448) and return the
     code as uint8. Written with integer ops because the interpreter's float8 downcast drops

@@ -3,7 +3,7 @@
 Each program owns one BLOCK_M tile of expert-grouped pairs (all of one expert, from
 moe_align) and BLOCK_N output columns, and streams that expert's weight rows along K once.
 Weight formats (WFMT): 0 bf16/fp16; 1 FP8 E4M3 with float32 128x128 block scales;
-2 FP8 with E8M0 block scales; 3 MXFP4 (packed nibbles along K, E8M0 scale per 32 K).
+2 FP8 with E8M0 block scales; 3 MXFP4 (packed nibbles along K, E8M0 scale per 32 K; BLOCK_K must be 32).
 Codes are decoded to the activation dtype in registers; nothing decoded is written back.
 """
 
@@ -12,7 +12,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from kernels.triton._common import e2m1_to_f32, e8m0_to_f32, mma
+from kernels.triton._common import e8m0_to_f32, mma
 
 
 @triton.jit
@@ -34,30 +34,32 @@ def _expert_step(
 ):
     """acc [BLOCK_M, BLOCK_N] += a[:, k0:k0+BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T."""
     if WFMT == 3:
-        # Even k live in the low nibbles, odd k in the high ones: split the activations the
-        # same way (two strided loads) instead of interleaving decoded weights.
+        # One K step is one 32-wide scale group (BLOCK_K == 32), so the scale multiplies the
+        # partial product, not each weight. Even k live in the low nibbles, odd k in the high
+        # ones: the activations are split the same way (two strided loads) instead of
+        # interleaving decoded weights. A nibble becomes an fp16 with two masks and shifts:
+        # sign -> bit 15, exponent+mantissa -> bits 9..11 give exactly E2M1 * 2^-14 (code 1
+        # lands on the fp16 subnormal 2^-15), so the group scale absorbs the 2^14.
         HALF: tl.constexpr = BLOCK_K // 2
         offs_j = k0 // 2 + tl.arange(0, HALF)
         mask_j = offs_j < K // 2
-        a_even = tl.load(
-            a_ptr[:, None] + 2 * offs_j[None, :], mask=mask_m[:, None] & mask_j[None, :], other=0.0
-        )
-        a_odd = tl.load(
-            a_ptr[:, None] + 2 * offs_j[None, :] + 1,
-            mask=mask_m[:, None] & mask_j[None, :],
-            other=0.0,
-        )
+        amask = mask_m[:, None] & mask_j[None, :]
+        a_even = tl.load(a_ptr[:, None] + 2 * offs_j[None, :], mask=amask, other=0.0)
+        a_odd = tl.load(a_ptr[:, None] + 2 * offs_j[None, :] + 1, mask=amask, other=0.0)
+        # fp16 tensor cores: saturate rather than overflow activations beyond fp16's range.
+        a_even = tl.minimum(tl.maximum(a_even.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
+        a_odd = tl.minimum(tl.maximum(a_odd.to(tl.float32), -65504.0), 65504.0).to(tl.float16)
         wmask = mask_n[None, :] & mask_j[:, None]
-        packed = tl.load(w_ptr + rows[None, :] * stride_wn + offs_j[:, None], mask=wmask, other=0)
-        # One scale per 32 K-values = per 16 packed bytes; repeated addresses hit L1.
-        s = tl.load(
-            ws_ptr + rows[None, :] * stride_wsn + offs_j[:, None] // 16, mask=wmask, other=0
-        )
-        s = e8m0_to_f32(s)
-        w_lo = (e2m1_to_f32(packed & 0xF) * s).to(a_even.dtype)  # [HALF, BLOCK_N]
-        w_hi = (e2m1_to_f32(packed >> 4) * s).to(a_even.dtype)
-        acc = mma(a_even, w_lo, acc, F32_DOT)
-        acc = mma(a_odd, w_hi, acc, F32_DOT)
+        b = tl.load(w_ptr + rows[None, :] * stride_wn + offs_j[:, None], mask=wmask, other=0)
+        b = b.to(tl.int32)
+        lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
+        hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
+        s = tl.load(ws_ptr + rows * stride_wsn + k0 // 32, mask=mask_n, other=0)
+        s = e8m0_to_f32(s) * 16384.0
+        part = tl.zeros(acc.shape, dtype=tl.float32)
+        part = mma(a_even, lo, part, F32_DOT)
+        part = mma(a_odd, hi, part, F32_DOT)
+        acc += part * s[None, :]
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K

@@ -41,7 +41,8 @@ def default_config(num_pairs: int, num_experts: int, fmt: str) -> dict:
         block_m, block_n, warps, stages = 32, 64, 4, 3
     else:
         block_m, block_n, warps, stages = 64, 128, 8, 3
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=128 if fmt != "bf16" else 64,
+    block_k = {"bf16": 64, "fp8": 128, "mxfp4": 32}[fmt]
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 num_warps=warps, num_stages=stages)  # fmt: skip
 
 
