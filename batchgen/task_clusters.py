@@ -117,11 +117,17 @@ class AssignmentCursor:
         self._ids: list = []
         self._clusters: list = []
         self._start = 0  # input position of self._ids[0]
+        self._last = -1
 
     def names(self) -> dict[int, str]:
         return dict(self._names)
 
     def cluster_of(self, seq: int, row_id: str) -> int | None:
+        if seq <= self._last:
+            raise ValueError(
+                f"rows must come in input order; got position {seq} after {self._last}"
+            )
+        self._last = seq
         while seq >= self._start + len(self._ids):
             self._start += len(self._ids)
             try:
@@ -134,8 +140,6 @@ class AssignmentCursor:
                 ) from None
             self._ids = batch.column("id").to_pylist()
             self._clusters = batch.column("cluster_id").to_pylist()
-        if seq < self._start:
-            raise ValueError(f"rows must come in input order; got position {seq} again")
         stored = self._ids[seq - self._start]
         if stored != row_id:
             raise ValueError(
