@@ -32,7 +32,17 @@ class ModelRunner:
             self.model.max_model_len, config.max_model_len or self.model.max_model_len
         )
         self.block_size = config.block_size
+        self.graphs = None
+        if self.device.type == "cuda":  # GPU backend setup (engine/backends/cuda.py)
+            from engine.backends.cuda import prepare_model
+
+            prepare_model(self.model, self.dtype, self.max_model_len)
         self.num_blocks = self._allocate_kv_cache()
+        if self.device.type == "cuda" and not config.record_routing:
+            # Decode steps replay CUDA graphs (engine/cuda_graph_runner.py); takes one block.
+            from engine.cuda_graph_runner import decode_graphs_for
+
+            self.graphs = decode_graphs_for(self)
 
     def _build_model(self, source: ModelSource) -> CausalLM:
         cls = model_class_for(source.config)
@@ -51,9 +61,18 @@ class ModelRunner:
         per_token = sum(s.bytes_per_token(self.dtype) for s in specs)
         budget = self.config.kv_cache_memory
         if budget is None:
-            if self.device.type == "cuda":
-                free, _ = torch.cuda.mem_get_info(self.device)
-                budget = int(free * 0.85)
+            if self.device.type == "cuda":  # sized after a warm-up forward (backends/cuda.py)
+                from engine.backends.cuda import kv_cache_budget
+
+                budget = kv_cache_budget(
+                    self.model,
+                    self.dtype,
+                    self.device,
+                    self.block_size,
+                    min(self.config.max_num_batched_tokens, self.max_model_len - 1),
+                    int(self.source.config.get("vocab_size", 2)),
+                    self.config.max_num_seqs,
+                )
             else:
                 budget = min(2 << 30, int(psutil.virtual_memory().available * 0.25))
         num_blocks = budget // (per_token * self.block_size)
@@ -119,6 +138,11 @@ class ModelRunner:
     @torch.inference_mode()
     def run(self, batch: ScheduledBatch) -> dict[int, int]:
         """Run the batch; returns {seq_id: next token} for the sequences that sample."""
+        if self.graphs is not None and batch.is_decode:
+            # CUDA graphs: one replay runs the whole decode step (engine/cuda_graph_runner.py)
+            tokens = self.graphs.run(batch)
+            if tokens is not None:
+                return tokens
         input_ids, positions, ctx = self.prepare(batch)
         hidden = self.model(input_ids, positions, ctx)  # [T, D]
         rows: list[int] = []

@@ -200,6 +200,11 @@ class MultiLatentAttention(nn.Module):
             raise ValueError(f"MLA mode {self.mode!r}: expected one of {MODES}")
         if self.kv_cache is None:
             raise RuntimeError("MLA layer has no KV cache: call model.bind_kv_cache first")
+        if x.is_cuda and ctx.is_decode and self.mode != "expanded":
+            # GPU backend: rope + absorbed decode kernels, no host sync (engine/backends/cuda.py)
+            from engine.backends.cuda import mla_decode_forward
+
+            return mla_decode_forward(self, x, positions, ctx)
         d = self.dims
         T, H, N, R = x.shape[0], d.num_heads, d.qk_nope_head_dim, d.kv_lora_rank
         if d.q_lora_rank:

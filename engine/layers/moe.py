@@ -158,6 +158,10 @@ class DeepseekMoE(nn.Module):
         self.routing_recorder = None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.is_cuda:  # GPU backend: router kernel + fused MoE (engine/backends/cuda.py)
+            from engine.backends.cuda import moe_forward
+
+            return moe_forward(self, x)
         weights, ids = self.gate(x)  # [T, K] float32, [T, K]
         if self.routing_recorder is not None:
             self.routing_recorder.record(self.layer_index, ids, self.experts.bytes_per_expert())

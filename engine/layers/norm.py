@@ -15,6 +15,10 @@ class RMSNorm(nn.Module):
     def forward(self, x: torch.Tensor, residual: torch.Tensor | None = None):
         """With `residual`, returns (norm(x + residual), x + residual): the fused form the
         decoder layers use, so the sum is formed once."""
+        if x.is_cuda:  # GPU backend: fused Triton kernel (engine/backends/cuda.py)
+            from engine.backends.cuda import rmsnorm
+
+            return rmsnorm(x, self.weight, self.eps, residual)
         if residual is not None:
             x = x + residual
             residual = x

@@ -49,6 +49,11 @@ class Fp8BlockFormat(WeightFormat, ExpertWeightFormat):
 
     def apply(self, layer, x):
         weight, scale = layer.weight, getattr(layer, self.scale_name)
+        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
+            # GPU backend: codes decoded in registers by a Triton kernel (engine/backends/cuda.py)
+            from engine.backends.cuda import fp8_linear
+
+            return fp8_linear(x, weight, scale)
         return tiled_matmul(
             x,
             weight.shape[0],

@@ -1,0 +1,313 @@
+"""CUDA backend of the DeepSeek-V3 layers: the functions the layer classes call when their
+input is a CUDA tensor. One dispatch line in each layer leads here:
+
+  RMSNorm.forward              -> rmsnorm             Triton, residual add fused
+  Fp8BlockFormat.apply         -> fp8_linear          Triton, E4M3 decoded in registers
+  DeepseekMoE.forward          -> moe_forward         router kernel + fused MoE (bf16/FP8/MXFP4)
+  MultiLatentAttention.forward -> mla_decode_forward  (decode steps) rope kernel, latent cache
+                                                      write, absorbed MLA decode kernel
+
+Legend: T = tokens in the step, H = heads, N = qk_nope_head_dim, P = qk_rope_head_dim,
+R = kv_lora_rank, V = v_head_dim, D = hidden, I = expert intermediate, E = experts,
+K = experts per token.
+
+Nothing on the decode path reads a device value back to the host (sizes come from host-known
+T, K, E; context lengths are read by the attention kernel from a device tensor), so a
+decode step can be captured in one CUDA graph (engine/cuda_graph_runner.py).
+
+`prepare_model` runs once after the weights are loaded: it stacks each MoE layer's gate and
+up weights into the [E, 2I, D] tensor the fused kernel reads (the per-projection
+parameters become views of it, so no memory is added and the CPU code still works), and
+precomputes per MLA layer the two halves of kv_b for the absorbed form and the rope table.
+
+The Triton kernels take bf16/fp16 activations. A float32 model (exactness tests) keeps the
+torch code, except where the torch code would sync the host (decode attention; experts),
+which use capturable equivalents here (the attention kernel in float32; experts gathered by
+id for unquantized weights).
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from engine.layers.attention_context import AttentionContext
+from engine.layers.deepseek_router import RouterSpec, select_experts
+from engine.layers.mla import MultiLatentAttention
+from engine.layers.moe import DeepseekMoE, RoutedExperts, routed_experts_forward
+from engine.models.base import CausalLM
+
+log = logging.getLogger(__name__)
+
+KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+
+
+# -- norms and dense linears ------------------------------------------------------------
+def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.Tensor | None):
+    """Same contract as RMSNorm.forward: y, or (y, x + residual)."""
+    from kernels.triton.rmsnorm import rmsnorm as rmsnorm_kernel
+
+    if x.stride(-1) != 1:
+        x = x.contiguous()
+    if residual is not None and residual.stride(-1) != 1:
+        residual = residual.contiguous()
+    return rmsnorm_kernel(x, weight, eps, residual)
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """x [..., K] bf16/fp16 @ (E4M3 [N, K] with 128x128 block scales)^T -> [..., N]."""
+    from kernels.triton.fp8_linear import fp8_block_linear
+
+    return fp8_block_linear(x, weight, scale)
+
+
+# -- MoE --------------------------------------------------------------------------------
+@dataclass
+class FusedExperts:
+    """One MoE layer's experts as the fused kernel reads them (views of the parameters)."""
+
+    fmt: str  # "bf16" | "fp8" | "mxfp4" (fused_moe's names)
+    w13: torch.Tensor  # [E, 2I, D(/2)] gate rows, then up rows
+    w2: torch.Tensor  # [E, D, I(/2)]
+    w13_scale: torch.Tensor | None
+    w2_scale: torch.Tensor | None
+
+
+def route(
+    spec: RouterSpec, logits: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E] float32 -> (weights [T, K] float32, ids [T, K]) like select_experts."""
+    if spec.topk_method == "group_limited_greedy" and spec.topk_group < spec.n_group:
+        # The kernel scores a group by its top-2 sum (noaux_tc); V2's greedy groups use max.
+        return select_experts(logits, spec, bias)
+    from kernels.triton.moe_router import moe_route
+
+    grouped = spec.uses_groups and spec.topk_group < spec.n_group
+    ids, weights = moe_route(
+        logits.contiguous(),
+        spec.top_k,
+        bias if spec.uses_bias else None,
+        n_group=spec.n_group if grouped else 1,
+        topk_group=spec.topk_group if grouped else 1,
+        norm_topk_prob=spec.norm_topk_prob,
+        routed_scaling_factor=spec.routed_scaling_factor,
+        scoring=spec.scoring_func,
+    )
+    return weights, ids
+
+
+def moe_forward(moe: DeepseekMoE, x: torch.Tensor) -> torch.Tensor:
+    """DeepseekMoE.forward on CUDA: x [T, D] -> [T, D]."""
+    logits = F.linear(x.float(), moe.gate.weight)  # [T, E] float32, as the CPU router
+    weights, ids = route(moe.gate.spec, logits, moe.gate.e_score_correction_bias)
+    if moe.routing_recorder is not None:
+        moe.routing_recorder.record(moe.layer_index, ids, moe.experts.bytes_per_expert())
+    out = routed_experts(moe.experts, x, weights, ids)
+    if moe.shared_experts is not None:
+        out = out + moe.shared_experts(x)
+    return out
+
+
+def routed_experts(
+    experts: RoutedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    fused: FusedExperts | None = getattr(experts, "cuda_fused", None)
+    if fused is not None and x.dtype in KERNEL_DTYPES:
+        from kernels.triton.fused_moe import fused_moe
+
+        return fused_moe(
+            x.contiguous(),
+            fused.w13,
+            fused.w2,
+            weights,
+            ids,
+            fused.fmt,
+            fused.w13_scale,
+            fused.w2_scale,
+        )
+    if experts.gate_proj.format.name == "unquantized":
+        return gathered_experts(experts, x, weights, ids)
+    # Quantized experts with float32 activations: the CPU code (it syncs: eager steps only).
+    return routed_experts_forward(experts, x, weights, ids.long())
+
+
+def gathered_experts(
+    experts: RoutedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """Unquantized experts with each (token, slot)'s weights gathered by id: no host sync,
+    any dtype; reads T*K expert weights, so it is for small models and float32 checks."""
+    ids = ids.long()
+    w_gate = experts.gate_proj.weight[ids]  # [T, K, I, D]
+    w_up = experts.up_proj.weight[ids]  # [T, K, I, D]
+    w_down = experts.down_proj.weight[ids]  # [T, K, D, I]
+    xw = x.to(w_gate.dtype)
+    h = F.silu(torch.einsum("td,tkid->tki", xw, w_gate)) * torch.einsum("td,tkid->tki", xw, w_up)
+    y = torch.einsum("tki,tkdi->tkd", h, w_down)  # [T, K, D]
+    return (y.float() * weights[..., None]).sum(dim=1).to(x.dtype)
+
+
+def _stack_pair(gate: torch.nn.Module, up: torch.nn.Module, leaf: str) -> torch.Tensor:
+    """cat(gate.leaf, up.leaf) along the output rows; both parameters become views of it."""
+    a, b = getattr(gate, leaf), getattr(up, leaf)
+    both = torch.cat((a.data, b.data), dim=1)
+    rows = a.shape[1]
+    a.data, b.data = both[:, :rows], both[:, rows:]
+    return both
+
+
+def stack_experts(experts: RoutedExperts) -> FusedExperts | None:
+    """The fused kernel's view of a layer's experts, or None where it cannot read them."""
+    gate, up, down = experts.gate_proj, experts.up_proj, experts.down_proj
+    name = gate.format.name
+    if name == "unquantized":
+        if gate.weight.dtype not in KERNEL_DTYPES:
+            return None
+        fmt, leaf = "bf16", None
+    elif name.startswith("fp8_block"):
+        if gate.out_features % 128:
+            return None  # gate and up scale grids would share a 128-row block
+        fmt, leaf = "fp8", gate.format.scale_name
+    elif name == "mxfp4":
+        fmt, leaf = "mxfp4", "scale"
+    else:
+        return None
+    w13 = _stack_pair(gate, up, "weight")
+    s13 = _stack_pair(gate, up, leaf) if leaf else None
+    s2 = getattr(down, leaf) if leaf else None
+    return FusedExperts(fmt, w13, down.weight, s13, s2)
+
+
+# -- MLA --------------------------------------------------------------------------------
+@dataclass
+class MlaCudaState:
+    w_uk: torch.Tensor  # [H, N, R] kv_b's key half, for q_c = q_nope W_uk
+    w_uv_t: torch.Tensor  # [H, R, V] kv_b's value half, transposed, for o = o_lat W_uv^T
+    cos: torch.Tensor  # [max_model_len, P/2] float32 (YaRN attention factor included)
+    sin: torch.Tensor
+
+
+def prepare_mla(attn: MultiLatentAttention, dtype: torch.dtype, max_len: int) -> MlaCudaState:
+    d = attn.dims
+    N = d.qk_nope_head_dim
+    w = attn.kv_b_weight().float()  # [H, N+V, R]
+    device = attn.kv_a_layernorm.weight.device
+    cos, sin = attn.rotary.cos_sin(torch.arange(max_len, device=device))
+    return MlaCudaState(
+        w_uk=w[:, :N].to(dtype).contiguous(),
+        w_uv_t=w[:, N:].transpose(1, 2).to(dtype).contiguous(),
+        cos=cos.float().contiguous(),
+        sin=sin.float().contiguous(),
+    )
+
+
+def mla_decode_forward(
+    attn: MultiLatentAttention, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+) -> torch.Tensor:
+    """MultiLatentAttention.forward for a step where every sequence has one new token."""
+    from kernels.triton.mla_decode import choose_num_splits, mla_decode
+    from kernels.triton.rope import apply_rope_
+
+    state: MlaCudaState = attn.cuda_state
+    d = attn.dims
+    T, H, N, P, R = x.shape[0], d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.kv_lora_rank
+    if d.q_lora_rank:
+        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    else:
+        q = attn.q_proj(x)
+    q = q.view(T, H, N + P)
+    kv = attn.kv_a_proj_with_mqa(x)  # [T, R+P]
+    latent = attn.kv_a_layernorm(kv[:, :R].contiguous())  # [T, R]
+    # In place on the rope slices: q's last P of each head, kv's last P (one shared head).
+    apply_rope_(
+        q[..., N:], kv[:, None, R:], positions, state.cos, state.sin, attn.rotary.interleaved
+    )
+    cache = attn.kv_cache
+    entries = torch.cat((latent, kv[:, R:]), dim=-1).to(cache.dtype)  # [T, R+P]
+    cache.view(-1, d.cache_width).index_copy_(0, ctx.slot_mapping, entries)
+    q_c = torch.bmm(q[..., :N].transpose(0, 1), state.w_uk.to(q.dtype))  # [H, T, R]
+    q_c = q_c.transpose(0, 1).to(cache.dtype)  # [T, H, R]
+    q_rope = q[..., N:].to(cache.dtype)  # [T, H, P]
+    splits = choose_num_splits(T, ctx.max_context_len, H, x.device)
+    o_lat = mla_decode(
+        q_c, q_rope, cache, ctx.block_tables, ctx.context_lens, attn.scale, splits
+    )  # [T, H, R]
+    out = torch.bmm(o_lat.transpose(0, 1), state.w_uv_t.to(o_lat.dtype))  # [H, T, V]
+    out = out.transpose(0, 1).reshape(T, H * d.v_head_dim).to(x.dtype)
+    return attn.o_proj(out)
+
+
+# -- the whole model --------------------------------------------------------------------
+def prepare_model(model: CausalLM, dtype: torch.dtype, max_model_len: int) -> None:
+    """Once after loading, on CUDA: stacked expert views and MLA decode state."""
+    fused = 0
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            module.cuda_fused = stack_experts(module)
+            fused += module.cuda_fused is not None
+        elif isinstance(module, MultiLatentAttention):
+            module.cuda_state = prepare_mla(module, dtype, max_model_len)
+    if fused:
+        log.info("CUDA backend: %d MoE layers on the fused kernel", fused)
+
+
+# Memory kept free after the KV cache: CUDA graphs' pool (largest bucket's activations and
+# logits), cuBLAS workspaces, allocator fragmentation.
+GRAPH_HEADROOM_BYTES = 1 << 30
+FREE_MEMORY_SHARE = 0.9
+
+
+def kv_cache_budget(
+    model: CausalLM,
+    dtype: torch.dtype,
+    device: torch.device,
+    block_size: int,
+    warmup_tokens: int,
+    vocab_size: int,
+    max_num_seqs: int,
+) -> int:
+    """Bytes for the KV cache, measured after a warm-up forward: a prefill of
+    `warmup_tokens` tokens (the most one step computes) over a temporary cache. What the
+    warm-up peaked at, the graphs' headroom and the logits of the largest decode batch
+    are kept free; the KV cache gets a share of the rest."""
+    blocks = -(-warmup_tokens // block_size) + 1
+    temp = [
+        torch.empty(blocks, block_size, *s.shape, dtype=s.dtype or dtype, device=device)
+        for s in model.cache_specs()
+    ]
+    model.bind_kv_cache(temp)
+    torch.cuda.synchronize(device)
+    torch.cuda.reset_peak_memory_stats(device)
+    base = torch.cuda.memory_allocated(device)
+    gen = torch.Generator(device=device).manual_seed(0)
+    ids = torch.randint(0, vocab_size, (warmup_tokens,), device=device, generator=gen)
+    positions = torch.arange(warmup_tokens, device=device)
+    ctx = AttentionContext(
+        block_size=block_size,
+        slot_mapping=positions.clone(),  # blocks 0.. of the temporary cache, in order
+        cu_query_lens=torch.tensor([0, warmup_tokens], dtype=torch.int32, device=device),
+        context_lens=torch.tensor([warmup_tokens], dtype=torch.int32, device=device),
+        block_tables=torch.arange(blocks, dtype=torch.int32, device=device)[None, :],
+        query_lens_host=[warmup_tokens],
+        context_lens_host=[warmup_tokens],
+        is_decode=False,
+    )
+    with torch.inference_mode():
+        hidden = model(ids, positions, ctx)
+        model.compute_logits(hidden[-1:])
+    torch.cuda.synchronize(device)
+    peak = torch.cuda.max_memory_allocated(device) - base
+    del temp, hidden
+    torch.cuda.empty_cache()
+    free, _ = torch.cuda.mem_get_info(device)
+    logits = 3 * max_num_seqs * vocab_size * 4  # float32 logits, their copy, sampler scratch
+    budget = int(free * FREE_MEMORY_SHARE) - peak - GRAPH_HEADROOM_BYTES - logits
+    log.info(
+        "KV budget after warm-up: %.2f GiB free, warm-up peak %.2f GiB -> %.2f GiB for KV",
+        free / 2**30,
+        peak / 2**30,
+        budget / 2**30,
+    )
+    return budget

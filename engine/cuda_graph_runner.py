@@ -1,0 +1,222 @@
+"""The decode step as CUDA graphs: one graph replay runs a whole decode step (every layer,
+the logits and the sampler) for a batch padded up to a bucket size.
+
+A graph replays fixed kernels on fixed memory, so each step's inputs are copied into static
+buffers the graphs were captured on (`DecodeInputs`): token ids, positions, cache slots,
+context lengths, block tables sized for max_model_len, and the per-row sampling
+parameters. Padding rows point at a scratch block kept out of the block manager's hands, so
+their cache writes and attention reads touch nobody's tokens. Per step the host does three
+small copies, one replay and one read-back of the sampled tokens.
+
+Only decode steps (every sequence has exactly one new token) replay graphs; prefill and
+mixed steps, batches larger than the largest bucket, and steps that must ban tokens
+(min_tokens) run eagerly. Sampled rows draw from the Triton sampler (Philox keyed by the
+sequence's seed and output position), so a seeded sequence repeats itself on the GPU; greedy
+rows take the argmax like the eager sampler.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.layers.attention_context import AttentionContext
+from engine.sequence import Sequence
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+    from engine.scheduler import ScheduledBatch
+
+log = logging.getLogger(__name__)
+
+BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
+
+# Rows of DecodeInputs.ints (int64) and .floats (float32).
+INPUT_IDS, POSITIONS, SLOTS, CONTEXT_LENS, SEEDS, STEPS = range(6)
+TEMPERATURE, TOP_P, MIN_P, TOP_K = range(4)
+
+
+def capture_buckets(max_num_seqs: int, buckets: tuple[int, ...] = BATCH_BUCKETS) -> list[int]:
+    """The buckets a runner needs: all below max_num_seqs and the first at or above it."""
+    if max_num_seqs < 1:
+        raise ValueError(f"max_num_seqs must be >= 1, got {max_num_seqs}")
+    chosen = [b for b in buckets if b < max_num_seqs]
+    above = [b for b in buckets if b >= max_num_seqs]
+    return chosen + above[:1]
+
+
+def bucket_for(num_seqs: int, buckets: list[int]) -> int | None:
+    """The smallest bucket holding num_seqs rows, or None when none does."""
+    for b in buckets:
+        if b >= num_seqs:
+            return b
+    return None
+
+
+class DecodeInputs:
+    """Static device buffers of one decode step (max_batch rows) and their pinned host
+    staging copies. `fill` writes a batch's rows, pads up to the bucket, and copies."""
+
+    def __init__(
+        self,
+        max_batch: int,
+        max_blocks: int,
+        block_size: int,
+        scratch_block: int,
+        device: torch.device,
+    ) -> None:
+        pin = device.type == "cuda"
+        self.max_batch, self.max_blocks = max_batch, max_blocks
+        self.block_size, self.scratch_block = block_size, scratch_block
+        self.host_ints = torch.zeros(6, max_batch, dtype=torch.int64, pin_memory=pin)
+        self.host_floats = torch.zeros(4, max_batch, dtype=torch.float32, pin_memory=pin)
+        self.host_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int64, pin_memory=pin)
+        self.ints = torch.zeros(6, max_batch, dtype=torch.int64, device=device)
+        self.floats = torch.zeros(4, max_batch, dtype=torch.float32, device=device)
+        self.tables = torch.zeros(max_batch, max_blocks, dtype=torch.int64, device=device)
+        self.cu_query_lens = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
+        self._ints, self._floats = self.host_ints.numpy(), self.host_floats.numpy()
+        self._tables = self.host_tables.numpy()
+
+    def fill(self, seqs: list[Sequence], bucket: int) -> None:
+        """Rows 0..len(seqs)-1 from the sequences (each decoding its last token), rows up to
+        `bucket` padding on the scratch block; then copy to the device buffers."""
+        n = len(seqs)
+        if n > bucket or bucket > self.max_batch:
+            raise ValueError(f"{n} sequences do not fit bucket {bucket} (max {self.max_batch})")
+        ints, floats, tables, bs = self._ints, self._floats, self._tables, self.block_size
+        for i, seq in enumerate(seqs):
+            pos = len(seq) - 1
+            table = seq.block_table
+            if pos // bs >= len(table) or len(table) > self.max_blocks:
+                raise ValueError(
+                    f"sequence {seq.seq_id}: position {pos} has no cache block "
+                    f"(block table of {len(table)}, at most {self.max_blocks})"
+                )
+            p = seq.params
+            ints[INPUT_IDS, i] = seq.token_ids[pos]
+            ints[POSITIONS, i] = pos
+            ints[SLOTS, i] = table[pos // bs] * bs + pos % bs
+            ints[CONTEXT_LENS, i] = pos + 1
+            ints[SEEDS, i] = seq.generator.initial_seed() if seq.generator is not None else 0
+            ints[STEPS, i] = seq.num_output_tokens
+            floats[TEMPERATURE, i] = 0.0 if p.greedy else p.temperature
+            floats[TOP_P, i] = p.top_p
+            floats[MIN_P, i] = p.min_p
+            floats[TOP_K, i] = p.top_k
+            tables[i, : len(table)] = table
+        if bucket > n:
+            ints[:, n:bucket] = 0
+            ints[SLOTS, n:bucket] = self.scratch_block * bs
+            ints[CONTEXT_LENS, n:bucket] = 1
+            floats[:, n:bucket] = 0.0
+            tables[n:bucket, 0] = self.scratch_block
+        self.ints.copy_(self.host_ints, non_blocking=True)
+        self.floats.copy_(self.host_floats, non_blocking=True)
+        self.tables[:bucket].copy_(self.host_tables[:bucket], non_blocking=True)
+
+    def context(self, bucket: int, max_model_len: int) -> AttentionContext:
+        """The attention metadata of a `bucket`-row decode step, as views of the buffers.
+        The host-side context lengths are the worst case, so launch shapes chosen from
+        them (the attention kernel's split count) hold for every step of the bucket."""
+        return AttentionContext(
+            block_size=self.block_size,
+            slot_mapping=self.ints[SLOTS, :bucket],
+            cu_query_lens=self.cu_query_lens[: bucket + 1],
+            context_lens=self.ints[CONTEXT_LENS, :bucket],
+            block_tables=self.tables[:bucket],
+            query_lens_host=[1] * bucket,
+            context_lens_host=[max_model_len] * bucket,
+            is_decode=True,
+        )
+
+
+def decode_graphs_for(runner: ModelRunner) -> CudaGraphRunner | None:
+    """Graphs for models whose decode step never syncs the host: those whose attention is
+    MLA (its CUDA decode path reads context lengths on the device). Other families' torch
+    attention sizes its work from host-side lengths, so they stay eager."""
+    from engine.layers.mla import MultiLatentAttention
+
+    if runner.device.type != "cuda":
+        return None
+    if not any(isinstance(m, MultiLatentAttention) for m in runner.model.modules()):
+        return None
+    return CudaGraphRunner(runner)
+
+
+class CudaGraphRunner:
+    """Captures the decode step of `runner`'s model per bucket and replays it. Takes the
+    last KV block as the padding rows' scratch block (runner.num_blocks shrinks by one)."""
+
+    def __init__(self, runner: ModelRunner) -> None:
+        if runner.device.type != "cuda":
+            raise ValueError("CUDA graphs need a CUDA device")
+        self.runner = runner
+        self.buckets = capture_buckets(runner.config.max_num_seqs)
+        max_blocks = -(-runner.max_model_len // runner.block_size)
+        runner.num_blocks -= 1
+        self.inputs = DecodeInputs(
+            self.buckets[-1], max_blocks, runner.block_size, runner.num_blocks, runner.device
+        )
+        self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.tokens: dict[int, torch.Tensor] = {}
+        self.capture_seconds = 0.0
+        self._capture()
+
+    def _step(self, bucket: int) -> torch.Tensor:
+        """The captured work: forward, logits, sampling -> tokens [bucket] int64."""
+        from kernels.triton.sampling import sample
+
+        buf, model = self.inputs, self.runner.model
+        ctx = buf.context(bucket, self.runner.max_model_len)
+        hidden = model(buf.ints[INPUT_IDS, :bucket], buf.ints[POSITIONS, :bucket], ctx)
+        logits = model.compute_logits(hidden)  # [bucket, V] float32
+        return sample(
+            logits,
+            buf.floats[TEMPERATURE, :bucket],
+            buf.floats[TOP_K, :bucket].to(torch.int32),
+            buf.floats[TOP_P, :bucket],
+            buf.floats[MIN_P, :bucket],
+            buf.ints[SEEDS, :bucket],
+            buf.ints[STEPS, :bucket],
+        )
+
+    @torch.inference_mode()
+    def _capture(self) -> None:
+        start = time.perf_counter()
+        self.inputs.fill([], self.buckets[-1])  # every row padding: valid, harmless inputs
+        pool = None
+        for bucket in reversed(self.buckets):  # largest first: later graphs reuse its pool
+            self._step(bucket)  # eager once: compiles the kernels for these shapes
+            torch.cuda.synchronize(self.runner.device)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=pool):
+                self.tokens[bucket] = self._step(bucket)
+            pool = graph.pool()
+            self.graphs[bucket] = graph
+        torch.cuda.synchronize(self.runner.device)
+        self.capture_seconds = time.perf_counter() - start
+        log.info("captured decode graphs %s in %.1f s", self.buckets, self.capture_seconds)
+
+    def run(self, batch: ScheduledBatch) -> dict[int, int] | None:
+        """Replay the decode step for `batch`; None when it must run eagerly instead."""
+        seqs = batch.seqs
+        bucket = bucket_for(len(seqs), self.buckets)
+        runner = self.runner
+        if bucket is None or getattr(runner.model, "routing_recorder", None) is not None:
+            return None
+        if any(runner._banned(s) for s in seqs):
+            return None
+        self.replay(seqs, bucket)
+        tokens = self.tokens[bucket][: len(seqs)].tolist()  # the step's one host sync
+        for seq in seqs:
+            seq.num_computed += 1
+        return {s.seq_id: t for s, t in zip(seqs, tokens)}
+
+    def replay(self, seqs: list[Sequence], bucket: int) -> None:
+        """Fill the inputs and launch the graph (no sync; benchmarks and profiling)."""
+        self.inputs.fill(seqs, bucket)
+        self.graphs[bucket].replay()

@@ -1,0 +1,93 @@
+"""CPU tests of the CUDA graph runner's pure logic: bucket choice and the static decode
+buffers (what a replay reads), without a GPU."""
+
+import pytest
+import torch
+
+from engine.cuda_graph_runner import (
+    CONTEXT_LENS,
+    INPUT_IDS,
+    POSITIONS,
+    SEEDS,
+    SLOTS,
+    STEPS,
+    TEMPERATURE,
+    TOP_K,
+    TOP_P,
+    DecodeInputs,
+    bucket_for,
+    capture_buckets,
+)
+from engine.sampling_params import SamplingParams
+from engine.sequence import Sequence
+
+
+def test_capture_buckets_cover_max_num_seqs():
+    assert capture_buckets(1) == [1]
+    assert capture_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
+    assert capture_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 128]
+    assert capture_buckets(1000) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    with pytest.raises(ValueError, match="max_num_seqs"):
+        capture_buckets(0)
+
+
+@pytest.mark.parametrize(("n", "want"), [(1, 1), (3, 4), (8, 8), (9, 16), (100, 128), (129, None)])
+def test_bucket_for_pads_up(n, want):
+    assert bucket_for(n, [1, 2, 4, 8, 16, 32, 64, 128]) == want
+
+
+def _seq(prompt, generated, table, params, seed=None):
+    gen = torch.Generator().manual_seed(seed) if seed is not None else None
+    seq = Sequence("r", 0, prompt, params, gen)
+    seq.token_ids += generated
+    seq.block_table = list(table)
+    seq.num_computed = len(seq) - 1
+    return seq
+
+
+def test_fill_writes_rows_and_pads_on_the_scratch_block():
+    bs, scratch = 4, 9
+    inputs = DecodeInputs(8, 5, bs, scratch, torch.device("cpu"))
+    greedy = SamplingParams(temperature=0.0, max_tokens=8)
+    sampled = SamplingParams(temperature=0.7, top_p=0.9, top_k=5, max_tokens=8, seed=3)
+    a = _seq([11, 12, 13, 14, 15], [16], [7, 2], greedy)  # last token at position 5
+    b = _seq([21, 22], [23, 24], [4], sampled, seed=1234)  # position 3
+    inputs.fill([a, b], 4)
+    ints, floats, tables = inputs.ints, inputs.floats, inputs.tables
+    assert ints[INPUT_IDS, :2].tolist() == [16, 24]
+    assert ints[POSITIONS, :2].tolist() == [5, 3]
+    assert ints[SLOTS, :2].tolist() == [2 * bs + 1, 4 * bs + 3]
+    assert ints[CONTEXT_LENS, :2].tolist() == [6, 4]
+    assert ints[SEEDS, :2].tolist() == [0, 1234]
+    assert ints[STEPS, :2].tolist() == [1, 2]
+    assert floats[TEMPERATURE, :2].tolist() == pytest.approx([0.0, 0.7])
+    assert floats[TOP_P, 1].item() == pytest.approx(0.9)
+    assert floats[TOP_K, 1].item() == 5
+    assert tables[0, :2].tolist() == [7, 2] and tables[1, 0].item() == 4
+    # padding rows: one token of context on the scratch block, greedy
+    assert ints[SLOTS, 2:4].tolist() == [scratch * bs] * 2
+    assert ints[CONTEXT_LENS, 2:4].tolist() == [1, 1]
+    assert tables[2:4, 0].tolist() == [scratch, scratch]
+    assert floats[TEMPERATURE, 2:4].tolist() == [0.0, 0.0]
+    ctx = inputs.context(4, max_model_len=20)
+    assert ctx.is_decode and ctx.num_seqs == 4 and ctx.max_context_len == 20
+    assert ctx.cu_query_lens.tolist() == [0, 1, 2, 3, 4]
+    assert ctx.slot_mapping.data_ptr() == ints[SLOTS].data_ptr()  # views, not copies
+
+
+def test_fill_refills_a_row_after_padding():
+    inputs = DecodeInputs(4, 3, 2, 5, torch.device("cpu"))
+    inputs.fill([], 4)
+    seq = _seq([1, 2, 3], [4], [0, 3], SamplingParams(max_tokens=4))
+    inputs.fill([seq], 1)
+    assert inputs.ints[SLOTS, 0].item() == 3 * 2 + 1
+    assert inputs.ints[CONTEXT_LENS, 0].item() == 4
+
+
+def test_fill_rejects_a_position_without_a_block():
+    inputs = DecodeInputs(4, 2, 4, 7, torch.device("cpu"))
+    seq = _seq([1, 2, 3, 4], [5], [0], SamplingParams(max_tokens=4))  # position 4 needs block 2
+    with pytest.raises(ValueError, match="no cache block"):
+        inputs.fill([seq], 1)
+    with pytest.raises(ValueError, match="do not fit"):
+        inputs.fill([seq, seq], 1)

@@ -1,0 +1,91 @@
+"""The CUDA backend's layer paths (engine/backends/cuda.py) on the CPU, through Triton's
+interpreter, at tiny sizes: the fused MoE path and the absorbed MLA decode path must equal
+the layers' own torch code on the same weights and cache. (On a GPU, the layers dispatch
+to these functions themselves; tests/engine/test_gpu_engine.py checks that end to end.)"""
+
+import os
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # before anything imports triton
+
+import pytest
+
+from engine.backends import cuda as backend
+from engine.checkpoint_maker import make_random_checkpoint
+from engine.layers.mla import MultiLatentAttention
+from engine.layers.moe import DeepseekMoE
+from tests.engine.deepseek_helpers import PagedRunner, load_engine_model, relative_error
+
+pytestmark = pytest.mark.skipif(
+    torch.cuda.is_available(), reason="interpreter tests; the GPU runs test_gpu_engine.py"
+)
+
+
+def _bf16_model(path):
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        return load_engine_model(path, enable_mtp=False)
+    finally:
+        torch.set_default_dtype(previous)
+
+
+@pytest.fixture(scope="module", params=["bf16", "mxfp4"])
+def tiny_model(request, tmp_path_factory):
+    out = tmp_path_factory.mktemp(f"tiny_{request.param}")
+    make_random_checkpoint(
+        out, preset="tiny", expert_dtype=request.param, seed=5, device="cpu", mtp=False
+    )
+    model = _bf16_model(out)
+    backend.prepare_model(model, torch.bfloat16, 64)
+    return model
+
+
+def test_experts_are_stacked_as_views(tiny_model):
+    moe = next(m for m in tiny_model.modules() if isinstance(m, DeepseekMoE))
+    fused = moe.experts.cuda_fused
+    assert fused is not None and fused.fmt in ("bf16", "mxfp4")
+    gate = moe.experts.gate_proj.weight
+    assert gate.data_ptr() == fused.w13.data_ptr()  # no second copy of the weights
+    assert torch.equal(fused.w13[:, : gate.shape[1]], gate)
+
+
+def test_moe_forward_matches_the_torch_path(tiny_model):
+    moe = next(m for m in tiny_model.modules() if isinstance(m, DeepseekMoE))
+    gen = torch.Generator().manual_seed(1)
+    x = torch.randn(5, moe.gate.weight.shape[1], generator=gen).bfloat16()
+    want = moe(x).float()  # CPU tensors: the layer's own torch code
+    got = backend.moe_forward(moe, x).float()
+    assert relative_error(got, want) < 2e-2
+
+
+def test_gathered_experts_match_the_torch_path(tiny_model):
+    moe = next(m for m in tiny_model.modules() if isinstance(m, DeepseekMoE))
+    if moe.experts.gate_proj.format.name != "unquantized":
+        pytest.skip("the gathered path serves unquantized experts")
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(4, moe.gate.weight.shape[1], generator=gen).bfloat16()
+    weights, ids = moe.gate(x)
+    want = moe.experts(x, weights, ids).float()
+    got = backend.gathered_experts(moe.experts, x, weights, ids).float()
+    assert relative_error(got, want) < 1e-2
+
+
+def test_mla_decode_path_matches_the_torch_path(tiny_model):
+    runner = PagedRunner(tiny_model, block_size=4, num_blocks=32, seed=3)
+    gen = torch.Generator().manual_seed(4)
+    prompts = {0: torch.randint(0, 200, (7,), generator=gen).tolist(), 1: [5, 9, 14]}
+    runner.step([(s, toks) for s, toks in prompts.items()])  # prefill, torch path
+    ctx, positions = runner.context([(0, 1), (1, 1)])
+    attn = tiny_model.model.layers[1].self_attn
+    assert isinstance(attn, MultiLatentAttention)
+    x = torch.randn(2, attn.dims.hidden_size, generator=gen).bfloat16()
+    cache = attn.kv_cache.clone()
+    want = attn(x, positions, ctx).float()
+    want_cache = attn.kv_cache.clone()
+    attn.kv_cache.copy_(cache)
+    got = backend.mla_decode_forward(attn, x, positions, ctx).float()
+    assert relative_error(got, want) < 3e-2
+    assert relative_error(attn.kv_cache.float(), want_cache.float()) < 1e-2
