@@ -59,6 +59,10 @@ def make_tiny_llama(out: Path, seed: int = 0, with_tokenizer: bool = True, **ove
         tie_word_embeddings=False,
         bos_token_id=0,
         eos_token_id=1,
+        # wider than transformers' 0.02 so logits are peaked: greedy choices then have
+        # margins far above float32 rounding, and batch-shape-dependent rounding (e.g.
+        # after a preemption) cannot flip a near-tie
+        initializer_range=0.2,
     )
     cfg.update(overrides)
     torch.manual_seed(seed)

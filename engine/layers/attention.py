@@ -20,10 +20,37 @@ def write_kv(cache: torch.Tensor, ctx: AttentionContext, k: torch.Tensor, v: tor
 
 def gather_context_slots(ctx: AttentionContext, device: torch.device) -> torch.Tensor:
     """[B, Lmax] flat cache slots of every context token of each sequence (0 past the end)."""
-    lmax = ctx.max_context_len
-    offsets = torch.arange(lmax, device=device)
-    blocks = ctx.block_tables[:, offsets // ctx.block_size].long()  # [B, Lmax]
-    return blocks * ctx.block_size + (offsets % ctx.block_size)
+
+    def make() -> torch.Tensor:
+        offsets = torch.arange(ctx.max_context_len, device=device)
+        blocks = ctx.block_tables[:, offsets // ctx.block_size].long()  # [B, Lmax]
+        return blocks * ctx.block_size + (offsets % ctx.block_size)
+
+    return ctx.shared("context_slots", make)
+
+
+def _decode_padding(ctx: AttentionContext, L: int, device: torch.device) -> torch.Tensor:
+    """[B, 1, 1, L] True where a key position lies past the sequence's length."""
+
+    def make() -> torch.Tensor:
+        lens = ctx.context_lens.to(device)
+        return (torch.arange(L, device=device)[None, :] >= lens[:, None])[:, None, None, :]
+
+    return ctx.shared("decode_padding", make)
+
+
+def _prefill_mask(ctx: AttentionContext, L: int, device: torch.device) -> torch.Tensor:
+    """[B, 1, 1, Q, L] True where query q of sequence b may see key l (causal, in bounds)."""
+
+    def make() -> torch.Tensor:
+        qmax = max(ctx.query_lens_host)
+        qlens = torch.tensor(ctx.query_lens_host, device=device)
+        clens = torch.tensor(ctx.context_lens_host, device=device)
+        qpos = (clens - qlens)[:, None] + torch.arange(qmax, device=device)[None, :]  # [B, Q]
+        allowed = torch.arange(L, device=device)[None, None, :] <= qpos[:, :, None]
+        return allowed[:, None, None]
+
+    return ctx.shared("prefill_mask", make)
 
 
 def paged_attention(
@@ -44,9 +71,7 @@ def paged_attention(
     if ctx.is_decode:
         qb = q.float().view(B, Hk, group, Dh)  # one query per sequence
         scores = torch.einsum("bkgd,bkld->bkgl", qb, k) * scale  # [B, Hk, G, L]
-        ctx_lens = ctx.context_lens.to(q.device)
-        pad = torch.arange(L, device=q.device)[None, :] >= ctx_lens[:, None]  # [B, L]
-        scores.masked_fill_(pad[:, None, None, :], float("-inf"))
+        scores.masked_fill_(_decode_padding(ctx, L, q.device), float("-inf"))
         out = torch.einsum("bkgl,bkld->bkgd", scores.softmax(-1), v)
         return out.reshape(T, H, Dh).to(q.dtype)
 
@@ -59,12 +84,7 @@ def paged_attention(
         qpad[b, : ctx.query_lens_host[b]] = q[starts[b] : starts[b + 1]].float()
     qb = qpad.view(B, qmax, Hk, group, Dh).permute(0, 2, 3, 1, 4)  # [B, Hk, G, Q, Dh]
     scores = torch.einsum("bkgqd,bkld->bkgql", qb, k) * scale  # [B, Hk, G, Q, L]
-    qlens = torch.tensor(ctx.query_lens_host, device=q.device)
-    clens = torch.tensor(ctx.context_lens_host, device=q.device)
-    qpos = (clens - qlens)[:, None] + torch.arange(qmax, device=q.device)[None, :]  # [B, Q]
-    kpos = torch.arange(L, device=q.device)
-    allowed = kpos[None, None, :] <= qpos[:, :, None]  # [B, Q, L]; also bounds by length
-    scores.masked_fill_(~allowed[:, None, None], float("-inf"))
+    scores.masked_fill_(~_prefill_mask(ctx, L, q.device), float("-inf"))
     probs = scores.softmax(-1).nan_to_num_(0.0)  # padded query rows have no keys
     res = torch.einsum("bkgql,bkld->bkgqd", probs, v).permute(0, 3, 1, 2, 4)  # [B,Q,Hk,G,Dh]
     res = res.reshape(B, qmax, H, Dh)

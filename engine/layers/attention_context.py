@@ -8,7 +8,7 @@ block_tables[b][t // block_size] * block_size + t % block_size.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -23,6 +23,16 @@ class AttentionContext:
     query_lens_host: list[int]  # same as the diff of cu_query_lens, on the host (no sync)
     context_lens_host: list[int]
     is_decode: bool  # every sequence has exactly one new token
+    # Derived tensors every layer needs alike, computed on first use and shared by all
+    # layers of the step (a decoder has tens of layers; recomputing them per layer costs
+    # more than the attention itself at small batch).
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def shared(self, key: str, make):
+        value = self._cache.get(key)
+        if value is None:
+            value = self._cache[key] = make()
+        return value
 
     @property
     def num_seqs(self) -> int:
