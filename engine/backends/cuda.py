@@ -36,7 +36,7 @@ import torch.nn.functional as F
 
 from engine.layers.attention_context import AttentionContext
 from engine.layers.deepseek_router import RouterSpec, select_experts
-from engine.layers.mla import MultiLatentAttention
+from engine.layers.mla import MultiLatentAttention, context_slots
 from engine.layers.moe import DeepseekMoE, RoutedExperts, routed_experts_forward
 from engine.models.base import CausalLM
 
@@ -230,13 +230,38 @@ def mla_decode_forward(
     q_c = torch.bmm(q[..., :N].transpose(0, 1), state.w_uk.to(q.dtype))  # [H, T, R]
     q_c = q_c.transpose(0, 1).to(cache.dtype)  # [T, H, R]
     q_rope = q[..., N:].to(cache.dtype)  # [T, H, P]
-    splits = choose_num_splits(T, ctx.max_context_len, H, x.device)
-    o_lat = mla_decode(
-        q_c, q_rope, cache, ctx.block_tables, ctx.context_lens, attn.scale, splits
-    )  # [T, H, R]
+    if cache.dtype in KERNEL_DTYPES:
+        splits = choose_num_splits(T, ctx.max_context_len, H, x.device)
+        o_lat = mla_decode(
+            q_c, q_rope, cache, ctx.block_tables, ctx.context_lens, attn.scale, splits
+        )  # [T, H, R]
+    else:  # float32: exact torch attention (the kernel's float32 dots round to tf32)
+        o_lat = absorbed_decode_torch(q_c, q_rope, cache, ctx, attn.scale)
     out = torch.bmm(o_lat.transpose(0, 1), state.w_uv_t.to(o_lat.dtype))  # [H, T, V]
     out = out.transpose(0, 1).reshape(T, H * d.v_head_dim).to(x.dtype)
     return attn.o_proj(out)
+
+
+def absorbed_decode_torch(
+    q_c: torch.Tensor,
+    q_rope: torch.Tensor,
+    cache: torch.Tensor,
+    ctx: AttentionContext,
+    scale: float,
+) -> torch.Tensor:
+    """The decode kernel's contract in torch, with no host sync: every sequence reads
+    ctx.max_context_len slots (host-known), those past its device-side length masked.
+    q_c [T, H, R], q_rope [T, H, P] -> [T, H, R]."""
+    R = q_c.shape[-1]
+    slots = context_slots(ctx.block_tables, ctx.max_context_len, ctx.block_size)  # [T, L]
+    entries = cache.view(-1, cache.shape[-1])[slots]  # [T, L, R+P]
+    latent, k_rope = entries[..., :R], entries[..., R:]
+    scores = torch.einsum("thr,tlr->thl", q_c, latent)
+    scores = (scores + torch.einsum("thp,tlp->thl", q_rope, k_rope)) * scale  # [T, H, L]
+    keys = torch.arange(slots.shape[1], device=q_c.device)
+    pad = keys[None, :] >= ctx.context_lens[:, None]  # [T, L]
+    probs = scores.masked_fill(pad[:, None, :], float("-inf")).softmax(dim=-1)
+    return torch.einsum("thl,tlr->thr", probs, latent)
 
 
 # -- the whole model --------------------------------------------------------------------

@@ -89,3 +89,19 @@ def test_mla_decode_path_matches_the_torch_path(tiny_model):
     got = backend.mla_decode_forward(attn, x, positions, ctx).float()
     assert relative_error(got, want) < 3e-2
     assert relative_error(attn.kv_cache.float(), want_cache.float()) < 1e-2
+
+
+def test_float32_decode_path_is_exact(tmp_path):
+    make_random_checkpoint(tmp_path, preset="tiny", seed=6, device="cpu", mtp=False)
+    model = load_engine_model(tmp_path, enable_mtp=False)  # float32
+    backend.prepare_model(model, torch.float32, 64)
+    runner = PagedRunner(model, block_size=4, num_blocks=32, seed=7)
+    runner.step([(0, [3, 1, 4, 1, 5, 9]), (1, [2, 6])])
+    ctx, positions = runner.context([(0, 1), (1, 1)])
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(2, attn.dims.hidden_size, generator=torch.Generator().manual_seed(8))
+    cache = attn.kv_cache.clone()
+    want = attn(x, positions, ctx)
+    attn.kv_cache.copy_(cache)
+    got = backend.mla_decode_forward(attn, x, positions, ctx)
+    assert relative_error(got, want) < 1e-5

@@ -1,0 +1,443 @@
+"""`batchgen bench decode-moe`: decode throughput of a DeepSeek-V3-family MoE model on a CUDA
+GPU, our engine against transformers' `generate` and against the memory roofline.
+
+In one process: measure the device copy bandwidth; generate a random checkpoint on the GPU
+(`make_random_checkpoint`, Moonlight-16B-A3B shapes by default) in bf16 and in FP8 dense +
+MXFP4 experts; run our engine at each batch size (prompts of 128 random tokens, 128 new
+tokens, ignore_eos); profile one decode step (kernel launches, host time); then run
+transformers' DeepseekV3ForCausalLM `generate` on the same bf16 checkpoint.
+
+Per batch size it prints tok/s, ms per decode step, the fraction of the roofline and the
+speedup over transformers, and writes data/benchmarks/<name>.json with `machine`,
+`copy_tb_s` and `results` (one row per engine, weights, batch).
+
+Numbers:
+- batchgen `tok_s` is decode throughput: batch * decode steps / their wall time, from
+  `LLMEngine.step` (host work included; prefill steps excluded). `e2e_tok_s` includes
+  prefill. `graph_ms` is one CUDA graph replay alone (device time, events).
+- transformers `tok_s` is batch * new tokens / the wall time of `generate` (its prefill is
+  one forward of 128 tokens, small against 128 decode steps).
+- roofline: the fewest bytes a decode step must read at the mean context (all non-expert
+  weights once, the LM head, the expected distinct routed experts per MoE layer for
+  uniform routing E(1-(1-k/E)^B), and the KV cache), over the measured copy bandwidth.
+
+Run on the GPU machine as `python -m batchgen.bench.decode_moe` (needs torch, triton,
+transformers, click; not the pipeline's polars/pydantic).
+"""
+
+from __future__ import annotations
+
+import gc
+import shutil
+import statistics
+import time
+from pathlib import Path
+
+import click
+import torch
+
+from batchgen.bench.common import write_result
+
+WEIGHTS = {"bf16": ("bf16", "bf16"), "fp8-mxfp4": ("fp8", "mxfp4")}
+ENGINE_BATCHES = (1, 8, 32, 128, 256)
+HF_BATCHES = (1, 32, 128)
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+# -- bytes per step -----------------------------------------------------------------------
+def step_bytes(model, batch: int, mean_context: int, kv_bytes_per_token: int) -> dict:
+    """Bytes one decode step of `batch` sequences must read, by part."""
+    from engine.layers.moe import RoutedExperts
+
+    expert_params: set[int] = set()
+    routed = 0.0
+    for module in model.modules():
+        if isinstance(module, RoutedExperts):
+            e, k = module.num_experts, _top_k(model)
+            distinct = e * (1 - (1 - k / e) ** batch)
+            routed += distinct * module.bytes_per_expert()
+            expert_params.update(id(p) for p in module.parameters())
+    embed = model.model.embed_tokens.weight
+    dense = sum(
+        p.numel() * p.element_size()
+        for p in model.parameters()
+        if id(p) not in expert_params and p is not embed
+    )
+    rows = batch * embed.shape[1] * embed.element_size()
+    kv = batch * mean_context * kv_bytes_per_token
+    return {"dense": dense, "routed": routed, "embed_rows": rows, "kv": kv}
+
+
+def _top_k(model) -> int:
+    return int(model.config.num_experts_per_tok)
+
+
+# -- our engine ---------------------------------------------------------------------------
+def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(seed)
+    # Ids 258+ avoid the byte tokenizer's special and low ids; any id is a valid input.
+    return torch.randint(258, vocab, (batch, length), generator=gen).tolist()
+
+
+def run_engine_batch(llm, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict:
+    from engine.sampling_params import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(batch, prompt_len, vocab, seed=batch)):
+        engine.add_request(f"b{batch}-{i}", prompt, params)
+    decode_s: list[float] = []
+    start = time.perf_counter()
+    done = 0
+    while engine.has_unfinished():
+        running = engine.scheduler.running
+        decode = not engine.scheduler.waiting and all(s.num_computed == len(s) - 1 for s in running)
+        t0 = time.perf_counter()
+        done += len(engine.step())
+        if decode and running:
+            decode_s.append(time.perf_counter() - t0)
+    total = time.perf_counter() - start
+    if done != batch:
+        raise RuntimeError(f"batch {batch}: {done} requests finished, expected {batch}")
+    ms = 1e3 * statistics.median(decode_s)
+    return {
+        "ms_per_step": ms,
+        "tok_s": batch / (ms * 1e-3),
+        "e2e_tok_s": batch * new_tokens / total,
+        "decode_steps": len(decode_s),
+    }
+
+
+def graph_replay_ms(runner, batch: int) -> float | None:
+    """Device time of one graph replay of `batch`'s bucket (its inputs as last filled)."""
+    graphs = runner.graphs
+    if graphs is None:
+        return None
+    from engine.cuda_graph_runner import bucket_for
+
+    bucket = bucket_for(batch, graphs.buckets)
+    if bucket is None:
+        return None
+    graph = graphs.graphs[bucket]
+    for _ in range(3):
+        graph.replay()
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    reps = 20
+    start.record()
+    for _ in range(reps):
+        graph.replay()
+    end.record()
+    torch.cuda.synchronize()
+    return start.elapsed_time(end) / reps
+
+
+def profile_decode_step(llm, prompt_len: int, vocab: int) -> dict:
+    """Batch 1: kernel launches and host time of a decode step, with graphs and eagerly."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.sampling_params import SamplingParams
+
+    engine, runner = llm.engine, llm.engine.runner
+    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    engine.add_request("profile", random_prompts(1, prompt_len, vocab, seed=7)[0], params)
+    while any(s.num_computed < len(s) - 1 for s in engine.scheduler.running) or (
+        engine.scheduler.waiting
+    ):
+        engine.step()
+    for _ in range(3):
+        engine.step()
+    out: dict = {}
+    graphs = runner.graphs
+    for mode in ("graph", "eager"):
+        runner.graphs = graphs if mode == "graph" else None
+        engine.step()  # warm
+        steps = 5
+        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(steps):
+                engine.step()
+        torch.cuda.synchronize()
+        events = prof.events()
+        kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
+        launches = [e for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel")]
+        graph_launches = [e for e in events if e.name.startswith("cudaGraphLaunch")]
+        walls = []
+        for _ in range(10):
+            t0 = time.perf_counter()
+            engine.step()
+            walls.append(time.perf_counter() - t0)
+        out[mode] = {
+            "device_kernels_per_step": len(kernels) / steps,
+            "host_kernel_launches_per_step": len(launches) / steps,
+            "graph_launches_per_step": len(graph_launches) / steps,
+            "step_ms": 1e3 * statistics.median(walls),
+        }
+    runner.graphs = graphs
+    if graphs is not None:
+        replay = graph_replay_ms(runner, 1)
+        out["graph"]["replay_ms"] = replay
+        host = out["graph"]["step_ms"] - replay
+        out["graph"]["host_ms"] = host
+        out["graph"]["host_frac"] = host / out["graph"]["step_ms"]
+    while engine.has_unfinished():
+        engine.step()
+    return out
+
+
+def bench_engine(
+    path: Path,
+    weights: str,
+    batches: tuple[int, ...],
+    prompt_len: int,
+    new_tokens: int,
+    copy_bps: float,
+    profile_step: bool,
+) -> tuple[list[dict], dict]:
+    from engine.llm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        str(path),
+        device="cuda",
+        dtype="bfloat16",
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=16384,
+        max_model_len=prompt_len + new_tokens + 16,
+    )
+    runner = llm.engine.runner
+    info = {
+        "load_s": time.perf_counter() - t0,
+        "capture_s": runner.graphs.capture_seconds if runner.graphs else None,
+        "kv_blocks": runner.num_blocks,
+        "weight_gb": sum(p.numel() * p.element_size() for p in runner.model.parameters()) / 1e9,
+    }
+    log(f"{weights}: engine up in {info['load_s']:.1f} s ({info})")
+    model = runner.model
+    vocab = int(model.config.vocab_size)
+    kv_per_token = sum(s.bytes_per_token(runner.dtype) for s in model.cache_specs())
+    mean_context = prompt_len + new_tokens // 2
+    rows = []
+    for batch in batches:
+        r = run_engine_batch(llm, batch, prompt_len, new_tokens, vocab)
+        parts = step_bytes(model, batch, mean_context, kv_per_token)
+        nbytes = sum(parts.values())
+        roof_tok_s = batch / (nbytes / copy_bps)
+        row = {
+            "engine": "batchgen",
+            "weights": weights,
+            "batch": batch,
+            **r,
+            "graph_ms": graph_replay_ms(runner, batch),
+            "bytes_per_step": nbytes,
+            "bytes_parts": parts,
+            "roofline_tok_s": roof_tok_s,
+            "roofline_frac": r["tok_s"] / roof_tok_s,
+        }
+        rows.append(row)
+        log(
+            f"{weights} batch {batch}: {r['tok_s']:.0f} tok/s, {r['ms_per_step']:.2f} ms/step "
+            f"(graph {row['graph_ms']}), {row['roofline_frac']:.1%} of roofline "
+            f"({nbytes / 1e9:.2f} GB/step), e2e {r['e2e_tok_s']:.0f} tok/s"
+        )
+    if profile_step:
+        info["profile_batch1"] = profile_decode_step(llm, prompt_len, vocab)
+        log(f"{weights}: profile {info['profile_batch1']}")
+    del llm, runner, model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows, info
+
+
+# -- transformers -------------------------------------------------------------------------
+def bench_transformers(
+    path: Path, batches: tuple[int, ...], prompt_len: int, new_tokens: int, copy_bps: float
+) -> tuple[list[dict], dict]:
+    from transformers import DeepseekV3ForCausalLM
+
+    t0 = time.perf_counter()
+    model = DeepseekV3ForCausalLM.from_pretrained(
+        str(path), dtype=torch.bfloat16, device_map="cuda"
+    ).eval()
+    load_s = time.perf_counter() - t0
+    log(f"transformers: loaded in {load_s:.1f} s")
+    vocab = model.config.vocab_size
+    rows = []
+    for batch in batches:
+        ids = torch.tensor(random_prompts(batch, prompt_len, vocab, seed=batch), device="cuda")
+        mask = torch.ones_like(ids)
+        kwargs = dict(
+            attention_mask=mask,
+            max_new_tokens=new_tokens,
+            min_new_tokens=new_tokens,
+            do_sample=False,
+            pad_token_id=0,
+        )
+        with torch.inference_mode():
+            model.generate(ids[:, :8], **{**kwargs, "max_new_tokens": 2, "min_new_tokens": 2,
+                                          "attention_mask": mask[:, :8]})  # fmt: skip
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            out = model.generate(ids, **kwargs)
+            torch.cuda.synchronize()
+        seconds = time.perf_counter() - t0
+        made = out.shape[1] - prompt_len
+        rows.append(
+            {
+                "engine": "transformers",
+                "weights": "bf16",
+                "batch": batch,
+                "tok_s": batch * made / seconds,
+                "ms_per_step": 1e3 * seconds / made,
+                "new_tokens": made,
+            }
+        )
+        log(f"transformers batch {batch}: {rows[-1]['tok_s']:.1f} tok/s")
+    del model
+    gc.collect()
+    torch.cuda.empty_cache()
+    return rows, {"load_s": load_s}
+
+
+# -- the run ------------------------------------------------------------------------------
+def make_checkpoint(workdir: Path, preset: str, layers: int | None, weights: str) -> Path:
+    from engine.checkpoint_maker import make_random_checkpoint
+
+    dense, experts = WEIGHTS[weights]
+    out = workdir / (f"{preset}-{weights}" + ("" if layers is None else f"-{layers}l"))
+    if out.exists():
+        shutil.rmtree(out)
+    t0 = time.perf_counter()
+    make_random_checkpoint(
+        out,
+        preset=preset,
+        layers=layers,
+        dense_dtype=dense,
+        expert_dtype=experts,
+        seed=0,
+        device="cuda",
+        mtp=False,
+    )
+    size = sum(f.stat().st_size for f in out.iterdir()) / 1e9
+    log(f"{weights}: checkpoint {size:.1f} GB written in {time.perf_counter() - t0:.1f} s")
+    return out
+
+
+def add_speedups(rows: list[dict]) -> None:
+    hf = {r["batch"]: r["tok_s"] for r in rows if r["engine"] == "transformers"}
+    for r in rows:
+        if r["engine"] == "batchgen" and r["batch"] in hf:
+            r["speedup_vs_transformers"] = r["tok_s"] / hf[r["batch"]]
+            r["e2e_speedup_vs_transformers"] = r["e2e_tok_s"] / hf[r["batch"]]
+
+
+def print_table(rows: list[dict]) -> None:
+    print(f"{'engine':<13}{'weights':<11}{'batch':>6}{'tok/s':>10}{'ms/step':>9}"
+          f"{'graph ms':>9}{'roofline':>9}{'vs HF':>7}")  # fmt: skip
+    for r in rows:
+        graph = r.get("graph_ms")
+        frac = r.get("roofline_frac")
+        speed = r.get("speedup_vs_transformers")
+        print(
+            f"{r['engine']:<13}{r['weights']:<11}{r['batch']:>6}{r['tok_s']:>10.1f}"
+            f"{r['ms_per_step']:>9.2f}{'' if graph is None else f'{graph:.2f}':>9}"
+            f"{'' if frac is None else f'{frac:.1%}':>9}"
+            f"{'' if speed is None else f'{speed:.1f}x':>7}"
+        )
+
+
+def run(
+    preset: str,
+    layers: int | None,
+    weights: tuple[str, ...],
+    batches: tuple[int, ...],
+    hf_batches: tuple[int, ...],
+    prompt_len: int,
+    new_tokens: int,
+    workdir: Path,
+    name: str,
+) -> dict:
+    from batchgen.bench.kernels import copy_bandwidth
+
+    if not torch.cuda.is_available():
+        raise click.UsageError("bench decode-moe needs a CUDA GPU")
+    device = torch.device("cuda")
+    copy_bps = copy_bandwidth(device)
+    log(f"copy bandwidth {copy_bps / 1e12:.2f} TB/s")
+    payload: dict = {
+        "copy_tb_s": copy_bps / 1e12,
+        "preset": preset,
+        "layers": layers,
+        "prompt_tokens": prompt_len,
+        "new_tokens": new_tokens,
+        "results": [],
+        "engine_info": {},
+    }
+    paths = {}
+    for w in weights:
+        paths[w] = make_checkpoint(workdir, preset, layers, w)
+        rows, info = bench_engine(
+            paths[w], w, batches, prompt_len, new_tokens, copy_bps, profile_step=True
+        )
+        payload["results"] += rows
+        payload["engine_info"][w] = info
+        write_result(name, payload)  # after each phase, so a cut-off run keeps its numbers
+        if w != "bf16":
+            shutil.rmtree(paths[w], ignore_errors=True)
+    if hf_batches and "bf16" in paths:
+        rows, info = bench_transformers(paths["bf16"], hf_batches, prompt_len, new_tokens, copy_bps)
+        payload["results"] += rows
+        payload["transformers_info"] = info
+    add_speedups(payload["results"])
+    path = write_result(name, payload)
+    print_table(payload["results"])
+    log(f"wrote {path}")
+    return payload
+
+
+def _ints(text: str) -> tuple[int, ...]:
+    try:
+        return tuple(int(x) for x in text.split(",") if x.strip())
+    except ValueError:
+        raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
+
+
+@click.command("decode-moe")
+@click.option("--preset", default="moonlight-16b-a3b", show_default=True)
+@click.option("--layers", type=int, default=None, help="Fewer layers at real shapes.")
+@click.option(
+    "--weights",
+    default="bf16,fp8-mxfp4",
+    show_default=True,
+    help=f"Comma-separated, of {sorted(WEIGHTS)}.",
+)
+@click.option("--batches", default=",".join(map(str, ENGINE_BATCHES)), show_default=True)
+@click.option(
+    "--hf-batches",
+    default=",".join(map(str, HF_BATCHES)),
+    show_default=True,
+    help="transformers batch sizes; empty to skip transformers.",
+)
+@click.option("--prompt-len", type=int, default=128, show_default=True)
+@click.option("--new-tokens", type=int, default=128, show_default=True)
+@click.option(
+    "--workdir",
+    type=click.Path(path_type=Path),
+    default=Path("/tmp/batchgen-bench"),
+    show_default=True,
+    help="Where the random checkpoints are written.",
+)
+@click.option("--name", default="decode-h200-moonlight", show_default=True, help="JSON name.")
+def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens, workdir, name):
+    """Decode tok/s of a DeepSeek-V3-family MoE on the GPU vs transformers and the roofline."""
+    chosen = tuple(w.strip() for w in weights.split(",") if w.strip())
+    unknown = [w for w in chosen if w not in WEIGHTS]
+    if unknown:
+        raise click.BadParameter(f"unknown weights {unknown}; choose from {sorted(WEIGHTS)}")
+    run(preset, layers, chosen, _ints(batches), _ints(hf_batches), prompt_len, new_tokens,
+        workdir, name)  # fmt: skip
+
+
+if __name__ == "__main__":
+    command()
