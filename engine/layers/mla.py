@@ -98,30 +98,10 @@ def attend_expanded(
     return torch.einsum("hql,lhv->qhv", probs, v)
 
 
-def attend_absorbed(
+def attend_absorbed_batched(
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
-    latent: torch.Tensor,
-    k_rope: torch.Tensor,
     q_pos: torch.Tensor,
-    kv_b_weight: torch.Tensor,
-    dims: MlaDims,
-    scale: float,
-) -> torch.Tensor:
-    """Same contract as attend_expanded, computed without expanding the context."""
-    N = dims.qk_nope_head_dim
-    w_uk, w_uv = kv_b_weight[:, :N], kv_b_weight[:, N:]  # [H, N, R], [H, V, R]
-    q_lat = torch.einsum("qhn,hnr->qhr", q_nope, w_uk)  # [Q, H, R]
-    scores = torch.einsum("qhr,lr->hql", q_lat, latent)
-    scores = scores + torch.einsum("qhp,lp->hql", q_rope, k_rope)  # [H, Q, L]
-    probs = _causal_softmax(scores * scale, q_pos, latent.shape[0])
-    o_lat = torch.einsum("hql,lr->qhr", probs, latent)  # [Q, H, R]
-    return torch.einsum("qhr,hvr->qhv", o_lat, w_uv)
-
-
-def attend_absorbed_decode(
-    q_nope: torch.Tensor,
-    q_rope: torch.Tensor,
     cache: torch.Tensor,
     block_tables: torch.Tensor,
     context_lens: torch.Tensor,
@@ -129,21 +109,24 @@ def attend_absorbed_decode(
     dims: MlaDims,
     scale: float,
 ) -> torch.Tensor:
-    """B sequences with one query each, batched. q_nope [B, H, N], q_rope [B, H, P],
-    block_tables [B, blocks], context_lens [B] -> out [B, H, V] float32."""
+    """B sequences with up to Q queries each (decode: Q = 1; speculative verify: K + 1),
+    padded and batched. q_nope [B, Q, H, N], q_rope [B, Q, H, P], q_pos [B, Q] absolute
+    positions (padding rows: any valid position, their output is discarded),
+    block_tables [B, blocks], context_lens [B] -> out [B, Q, H, V] float32."""
     N, R = dims.qk_nope_head_dim, dims.kv_lora_rank
     block_size = cache.shape[1]
     lmax = int(context_lens.max())
     flat = cache.view(-1, cache.shape[-1])
     entries = flat[context_slots(block_tables, lmax, block_size)].float()  # [B, L, R+P]
     latent, k_rope = entries[..., :R], entries[..., R:]
-    q_lat = torch.einsum("bhn,hnr->bhr", q_nope, kv_b_weight[:, :N])
-    scores = torch.einsum("bhr,blr->bhl", q_lat, latent)
-    scores = (scores + torch.einsum("bhp,blp->bhl", q_rope, k_rope)) * scale  # [B, H, L]
-    pad = torch.arange(lmax, device=cache.device)[None, :] >= context_lens[:, None]  # [B, L]
-    probs = scores.masked_fill(pad[:, None, :], float("-inf")).softmax(dim=-1)
-    o_lat = torch.einsum("bhl,blr->bhr", probs, latent)
-    return torch.einsum("bhr,hvr->bhv", o_lat, kv_b_weight[:, N:])
+    q_lat = torch.einsum("bqhn,hnr->bqhr", q_nope, kv_b_weight[:, :N])
+    scores = torch.einsum("bqhr,blr->bhql", q_lat, latent)
+    scores = (scores + torch.einsum("bqhp,blp->bhql", q_rope, k_rope)) * scale  # [B, H, Q, L]
+    keys = torch.arange(lmax, device=cache.device)
+    future = keys[None, None, :] > q_pos[:, :, None]  # [B, Q, L] (covers padding past the end)
+    probs = scores.masked_fill(future[:, None], float("-inf")).softmax(dim=-1)
+    o_lat = torch.einsum("bhql,blr->bqhr", probs, latent)
+    return torch.einsum("bqhr,hvr->bqhv", o_lat, kv_b_weight[:, N:])
 
 
 def _causal_softmax(scores: torch.Tensor, q_pos: torch.Tensor, length: int) -> torch.Tensor:
@@ -221,40 +204,44 @@ class MultiLatentAttention(nn.Module):
         return self.o_proj(out.to(x.dtype).reshape(T, H * d.v_head_dim))
 
     def _attend(self, q_nope, q_rope, positions, ctx: AttentionContext) -> torch.Tensor:
+        """Sequences that take the absorbed form run batched (padded to the longest query
+        chunk among them); the rest run one by one in the expanded form."""
         d = self.dims
         w = self.kv_b_weight().float()
         out = q_nope.new_empty(q_nope.shape[0], d.num_heads, d.v_head_dim)
         starts = ctx.cu_query_lens.tolist()
-        decode_rows = [
-            b
-            for b in range(ctx.num_seqs)
-            if ctx.query_lens_host[b] == 1 and self.mode != "expanded"
-        ]
-        if decode_rows:
-            rows = torch.tensor([starts[b] for b in decode_rows], device=q_nope.device)
-            seqs = torch.tensor(decode_rows, device=q_nope.device)
-            out[rows] = attend_absorbed_decode(
+        q_lens, c_lens = ctx.query_lens_host, ctx.context_lens_host
+
+        def expanded(b: int) -> bool:
+            if self.mode != "auto":
+                return self.mode == "expanded"
+            return d.prefer_expanded(q_lens[b], c_lens[b])
+
+        absorbed = [b for b in range(ctx.num_seqs) if not expanded(b)]
+        if absorbed:
+            qmax = max(q_lens[b] for b in absorbed)
+            # row index of each (sequence, query) pair; padding repeats the last real row
+            index = [[starts[b] + min(i, q_lens[b] - 1) for i in range(qmax)] for b in absorbed]
+            rows = torch.tensor(index, device=q_nope.device)  # [B', Q]
+            seqs = torch.tensor(absorbed, device=q_nope.device)
+            o = attend_absorbed_batched(
                 q_nope[rows],
                 q_rope[rows],
+                positions[rows],
                 self.kv_cache,
                 ctx.block_tables[seqs],
                 ctx.context_lens[seqs].long(),
                 w,
                 d,
                 self.scale,
-            )
+            )  # [B', Q, H, V]
+            for j, b in enumerate(absorbed):
+                out[starts[b] : starts[b + 1]] = o[j, : q_lens[b]]
         flat = self.kv_cache.view(-1, d.cache_width)
-        handled = set(decode_rows)
-        for b in range(ctx.num_seqs):
-            if b in handled:
-                continue
-            s, e, length = starts[b], starts[b + 1], ctx.context_lens_host[b]
-            entries = flat[context_slots(ctx.block_tables[b], length, ctx.block_size)].float()
-            expanded = self.mode == "expanded" or (
-                self.mode == "auto" and d.prefer_expanded(e - s, length)
-            )
-            attend = attend_expanded if expanded else attend_absorbed
-            out[s:e] = attend(
+        for b in sorted(set(range(ctx.num_seqs)) - set(absorbed)):
+            s, e = starts[b], starts[b + 1]
+            entries = flat[context_slots(ctx.block_tables[b], c_lens[b], ctx.block_size)].float()
+            out[s:e] = attend_expanded(
                 q_nope[s:e],
                 q_rope[s:e],
                 entries[:, : d.kv_lora_rank],

@@ -101,8 +101,11 @@ class PagedRunner:
     of (seq_id, new_tokens) pairs, giving each sequence blocks in a scrambled order so the
     block tables are not contiguous."""
 
-    def __init__(self, model, block_size: int = 4, num_blocks: int = 64, seed: int = 0):
-        self.model, self.block_size = model, block_size
+    def __init__(
+        self, model, block_size: int = 4, num_blocks: int = 64, seed: int = 0, lookahead: int = 0
+    ):
+        """`lookahead`: blocks are reserved that far past each step's tokens (MTP drafts)."""
+        self.model, self.block_size, self.lookahead = model, block_size, lookahead
         dtype = next(model.parameters()).dtype
         self.caches = [
             torch.zeros(num_blocks, block_size, *s.shape, dtype=s.dtype or dtype)
@@ -120,7 +123,7 @@ class PagedRunner:
         for seq, n in items:
             start = self.lengths.get(seq, 0)
             blocks = self.blocks.setdefault(seq, [])
-            while len(blocks) * self.block_size < start + n:
+            while len(blocks) * self.block_size < start + n + self.lookahead:
                 blocks.append(self.free.pop())
             for p in range(start, start + n):
                 slots.append(blocks[p // self.block_size] * self.block_size + p % self.block_size)
@@ -144,6 +147,17 @@ class PagedRunner:
             is_decode=all(n == 1 for n in q_lens),
         )
         return ctx, torch.tensor(positions, dtype=torch.int64)
+
+    def context_at(self, items: list[tuple[int, int, int]]) -> AttentionContext:
+        """Context for (seq_id, start, n): rows at positions start..start+n-1 of sequences
+        whose cache already reaches start+n (speculative steps re-run verified rows)."""
+        saved = dict(self.lengths)
+        for seq, start, _ in items:
+            self.lengths[seq] = start
+        ctx, _ = self.context([(seq, n) for seq, _, n in items])
+        for seq, _, _ in items:
+            self.lengths[seq] = max(self.lengths[seq], saved.get(seq, 0))
+        return ctx
 
     @torch.no_grad()
     def step(self, items: list[tuple[int, list[int]]]) -> list[torch.Tensor]:
