@@ -211,6 +211,8 @@ def build_config(
     if expert_dtype != dense_dtype:
         # DeepSeek-V4's inference config spells the expert format this way.
         config["expert_dtype"] = {"bf16": "bf16", "fp8": "fp8", "mxfp4": "fp4"}[expert_dtype]
+        if "quantization_config" in config:
+            config["quantization_config"]["expert_dtype"] = config["expert_dtype"]
     return config
 
 

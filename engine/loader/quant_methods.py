@@ -14,7 +14,9 @@ from collections.abc import Callable
 from engine.quant.base import QuantConfig
 from engine.quant.unquantized import NoQuant
 
-_METHODS: dict[str, str | Callable[[dict], QuantConfig]] = {}
+_METHODS: dict[str, str | Callable[[dict], QuantConfig]] = {
+    "fp8": "engine.quant.deepseek_quant_config:from_quantization_config",
+}
 
 
 def register_quant_method(name: str, target: str | Callable[[dict], QuantConfig]) -> None:

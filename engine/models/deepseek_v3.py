@@ -258,7 +258,11 @@ class DeepseekV3ForCausalLM(CausalLM):
     ):
         super().__init__()
         self.config = cfg = DeepseekV3Config.from_dict(config)
-        if not hasattr(quant_config, "expert_format_for"):
+        if not isinstance(quant_config, DeepseekQuantConfig) or (
+            quant_config.quantized_prefixes is None and config.get("expert_dtype") is not None
+        ):
+            # The generic loader knows `quantization_config` only; the expert format may be a
+            # top-level `expert_dtype` (DeepSeek-V4 style), so read the whole config.json.
             quant_config = DeepseekQuantConfig.from_config(config) or quant_config
         self.quant_config = quant_config
         self.model = DeepseekModel(cfg, quant_config)

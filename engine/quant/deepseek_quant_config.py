@@ -116,3 +116,11 @@ class DeepseekQuantConfig(QuantConfig):
             suffix = ".weight_scale_inv" if scale_fmt == "float32" else ".scale"
             quantized = {n[: -len(suffix)] for n in tensor_names if n.endswith(suffix)}
         return cls(dense, experts, scale_fmt, not_converted, quantized)
+
+
+def from_quantization_config(quantization_config: dict) -> DeepseekQuantConfig:
+    """The loader's registry hook (engine/loader/quant_methods.py, quant_method "fp8"):
+    built from the `quantization_config` block alone (an `expert_dtype` inside it counts)."""
+    made = DeepseekQuantConfig.from_config({"quantization_config": quantization_config})
+    assert made is not None  # a non-empty quantization_config always yields a config
+    return made
