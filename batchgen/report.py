@@ -53,6 +53,8 @@ def throughput_timeline(run_dir: RunDir) -> list[dict]:
         span = e.time - since if since is not None else None
         points.append(
             {
+                "part": e.part,
+                "span_s": span,
                 "time": e.time,
                 "session": e.session,
                 "rows": e.rows,
@@ -111,6 +113,18 @@ def collect(run_dir: RunDir) -> dict:
     }
 
 
+def _per_cluster(run_dir: RunDir, labels: dict[int, str] | None) -> list[dict]:
+    from batchgen.task_clusters import cluster_section
+
+    live = {e.part for e in run_dir.live_parts()}
+    parts = [
+        (run_dir.results / p["part"], p["span_s"])
+        for p in throughput_timeline(run_dir)
+        if p["part"] in live
+    ]
+    return cluster_section(run_dir.path / "clusters", parts, labels)
+
+
 def build_report(
     run_dir: RunDir,
     job: JobSpec | None,
@@ -131,6 +145,7 @@ def build_report(
         **collect(run_dir),
         "throughput": throughput_timeline(run_dir),
         "cluster_names": {str(k): v for k, v in (labels or {}).items()},
+        "per_cluster": _per_cluster(run_dir, labels),
         "generated": time.time(),
     }
     timeline = report["throughput"]
@@ -202,6 +217,23 @@ def render_markdown(report: dict) -> str:
             f"| {k} | {names.get(k, '-')} | {v.get('ok', 0):,} | {v.get('error', 0):,} | "
             f"{v.get('completion_tokens', 0):,} |"
         )
+    if any(c["cluster_id"] is not None for c in report.get("per_cluster", [])):
+        lines += [
+            "",
+            "### Per cluster",
+            "",
+            "| cluster | name | planned rows | rows done | prompt tokens | output tokens "
+            "| output tok/s |",
+            "|---|---|---|---|---|---|---|",
+        ]
+        for c in report["per_cluster"]:
+            cluster = "-" if c["cluster_id"] is None else c["cluster_id"]
+            size = "-" if c["size"] is None else f"{c['size']:,}"
+            rate = "-" if c["output_tok_s"] is None else c["output_tok_s"]
+            lines.append(
+                f"| {cluster} | {c['name']} | {size} | {c['rows']:,} | {c['prompt_tokens']:,} "
+                f"| {c['completion_tokens']:,} | {rate} |"
+            )
     lines += [
         "",
         "## Resume",

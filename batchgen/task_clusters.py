@@ -425,3 +425,61 @@ def cluster_job(
 ) -> TaskClusters:
     """The task clusters of a `cluster: auto` job, built or reloaded from `directory`."""
     return build_task_clusters(prompt_texts(job, rows), directory, settings_for_job(job))
+
+
+def cluster_section(
+    clusters_dir: str | os.PathLike,
+    parts: Iterable[tuple[Path, float | None]],
+    names: dict[int, str] | None = None,
+) -> list[dict]:
+    """The run report's per-cluster table: planned size (when clustering ran), rows done,
+    prompt and output tokens, and output tok/s.
+
+    `parts` are the live result parts with the seconds each took (None when unknown). A
+    part's seconds are shared among its clusters by their output tokens: with rows fed
+    cluster by cluster, almost every part holds a single cluster, so the split is exact
+    there and only the parts at a cluster boundary are apportioned."""
+    stored = load_task_clusters(clusters_dir)
+    sizes = {c.cluster_id: c.size for c in stored.clusters} if stored else {}
+    names = {**(stored.names() if stored else {}), **(names or {})}
+    table: dict = {}
+
+    def entry(cluster):
+        return table.setdefault(
+            cluster, {"rows": 0, "prompt_tokens": 0, "completion_tokens": 0, "seconds": 0.0}
+        )
+
+    for path, seconds in parts:
+        columns = ["cluster_id", "n_index", "prompt_tokens", "completion_tokens"]
+        frame = pq.read_table(path, columns=columns).to_pydict()
+        part_tokens: Counter = Counter()
+        for cluster, n_index, prompt, completion in zip(*(frame[c] for c in columns)):
+            row = entry(cluster)
+            if n_index == 0:
+                row["rows"] += 1
+                row["prompt_tokens"] += prompt or 0
+            row["completion_tokens"] += completion or 0
+            part_tokens[cluster] += completion or 0
+        total = sum(part_tokens.values())
+        if seconds and total:
+            for cluster, tokens in part_tokens.items():
+                entry(cluster)["seconds"] += seconds * tokens / total
+    out = []
+    keys = sorted(set(table) | set(sizes), key=lambda c: (c is None, c if c is not None else 0))
+    for cluster in keys:
+        row = table.get(
+            cluster, {"rows": 0, "prompt_tokens": 0, "completion_tokens": 0, "seconds": 0.0}
+        )
+        seconds = row["seconds"]
+        out.append(
+            {
+                "cluster_id": cluster,
+                "name": names.get(cluster, "(no cluster)" if cluster is None else "-"),
+                "size": sizes.get(cluster),
+                "rows": row["rows"],
+                "prompt_tokens": row["prompt_tokens"],
+                "completion_tokens": row["completion_tokens"],
+                "output_tok_s": round(row["completion_tokens"] / seconds, 2) if seconds else None,
+            }
+        )
+    return out

@@ -146,3 +146,35 @@ def test_label_clusters_from_a_task_column(tmp_path):
     frame = pl.read_parquet(result.assignments_path)
     assert frame["cluster_id"].to_list() == [0, 1, 0, None, 0, 1, 2]
     assert result.unassigned == 1
+
+
+def test_cluster_section_shares_a_parts_time_by_output_tokens(tmp_path):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    from batchgen.task_clusters import cluster_section
+
+    def part(name, clusters, completion):
+        path = tmp_path / name
+        table = {
+            "cluster_id": pa.array(clusters, pa.int32()),
+            "n_index": [0] * len(clusters),
+            "prompt_tokens": [10] * len(clusters),
+            "completion_tokens": completion,
+        }
+        pq.write_table(pa.table(table), path)
+        return path
+
+    parts = [
+        (part("a.parquet", [0, 0], [50, 50]), 10.0),  # cluster 0 alone: 100 tokens in 10 s
+        (part("b.parquet", [0, 1, None], [30, 90, 0]), 4.0),  # 1 s to cluster 0, 3 s to 1
+    ]
+    table = cluster_section(tmp_path / "no-clusters", parts, {0: "sql", 1: "poem"})
+    assert [(c["cluster_id"], c["name"], c["rows"]) for c in table] == [
+        (0, "sql", 3),
+        (1, "poem", 1),
+        (None, "(no cluster)", 1),
+    ]
+    assert table[0]["output_tok_s"] == round(130 / 11, 2)
+    assert table[1]["output_tok_s"] == 30.0
+    assert table[0]["prompt_tokens"] == 30 and table[0]["size"] is None

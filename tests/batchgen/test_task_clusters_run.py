@@ -4,6 +4,7 @@ the result's cluster_id, and a resumed run reloads the stored clusters without e
 
 from __future__ import annotations
 
+import json
 import logging
 
 import polars as pl
@@ -81,4 +82,10 @@ def test_auto_feeds_cluster_by_cluster_and_resumes_without_embedding(make_job, t
     joined = results.join(assignments, on="id", suffix="_assigned")
     assert (joined["cluster_id"] == joined["cluster_id_assigned"]).all()
     report = (tmp_path / "run" / "report.md").read_text()
-    assert assignments["cluster_name"][0] in report
+    assert assignments["cluster_name"][0] in report and "### Per cluster" in report
+    per_cluster = json.loads((tmp_path / "run" / "report.json").read_text())["per_cluster"]
+    assert sum(c["size"] for c in per_cluster) == sum(c["rows"] for c in per_cluster) == 80
+    by_id = {c["cluster_id"]: c for c in per_cluster}
+    for cluster_id, size in zip(sizes["cluster_id"], sizes["len"]):
+        assert by_id[cluster_id]["size"] == size
+        assert by_id[cluster_id]["completion_tokens"] == 4 * size  # max_tokens 4, n 1
