@@ -47,7 +47,13 @@ class RunStats:
         self.completion_tokens += c
         if results and results[0].cluster_id is not None:
             self.current_cluster = results[0].cluster_id
-        self._window.append((now, p, c))
+        # One bucket per second keeps the window small however fast rows finish.
+        second = int(now)
+        if self._window and self._window[-1][0] == second:
+            _, wp, wc = self._window[-1]
+            self._window[-1] = (second, wp + p, wc + c)
+        else:
+            self._window.append((second, p, c))
         while self._window and now - self._window[0][0] > _RATE_WINDOW_S:
             self._window.popleft()
 
