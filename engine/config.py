@@ -28,6 +28,7 @@ class EngineConfig:
     max_model_len: int | None = None
     seed: int = 0
     record_routing: bool = False
+    speculative_tokens: int = 0  # MTP draft tokens per step (0: off; 1..4)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -36,6 +37,8 @@ class EngineConfig:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"
             )
+        if not 0 <= self.speculative_tokens <= 4:
+            raise ValueError(f"speculative_tokens must be in 0..4, got {self.speculative_tokens}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; use auto or one of {sorted(_DTYPES)}")
 

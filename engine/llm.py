@@ -19,7 +19,8 @@ class LLM:
         outs = llm.generate(["Translate into French: good morning"], SamplingParams(max_tokens=32))
         outs[0].outputs[0].text
 
-    `model` is an alias, a Hugging Face directory or a GGUF file. `device` "auto" takes the
+    `model` is an alias, a Hugging Face directory or a GGUF file. `speculative_tokens` K
+    turns on multi-token-prediction drafts (models whose checkpoint has an MTP layer). `device` "auto" takes the
     GPU when there is one; `dtype` "auto" is float32 on the CPU and bfloat16 on a GPU
     (quantized weights stay in their stored format either way).
     """
@@ -36,6 +37,7 @@ class LLM:
         block_size: int = 16,
         max_model_len: int | None = None,
         record_routing: bool = False,
+        speculative_tokens: int = 0,
     ) -> None:
         self.config = EngineConfig(
             model=str(model),
@@ -48,6 +50,7 @@ class LLM:
             max_model_len=max_model_len,
             seed=seed,
             record_routing=record_routing,
+            speculative_tokens=speculative_tokens,
         )
         self.engine = LLMEngine(self.config)
         self.model_name = str(model)
@@ -69,6 +72,11 @@ class LLM:
         was built with record_routing=True); None otherwise."""
         recorder = self.engine.routing_recorder
         return recorder.summary() if recorder is not None else None
+
+    def speculative_stats(self) -> dict | None:
+        """Accepted-draft histogram and tokens per step (LLM(speculative_tokens=K))."""
+        speculator = self.engine.runner.speculator
+        return speculator.stats.summary() if speculator is not None else None
 
     # -- prompts --------------------------------------------------------------------
     def _tokenize(

@@ -41,6 +41,7 @@ class LLMEngine:
             BlockManager(self.runner.num_blocks, config.block_size),
             config.max_num_seqs,
             config.max_num_batched_tokens,
+            lookahead_slots=config.speculative_tokens,
         )
         self.requests: dict[str, _RequestState] = {}
         self._unseeded = 0
@@ -119,16 +120,19 @@ class LLMEngine:
         self.num_steps += 1
         now = time.monotonic()
         for seq in batch.seqs:
-            token = new_tokens.get(seq.seq_id)
-            if token is None:
+            tokens = new_tokens.get(seq.seq_id)
+            if not tokens:
                 continue
-            seq.token_ids.append(token)
             state = self.requests[seq.request_id]
             state.first_token = state.first_token or now
-            if self._check_finished(seq, token):
-                self.scheduler.finish(seq)
-                if all(s.is_finished for s in state.seqs):
-                    finished.append(self._output(state, now))
+            for token in tokens:  # several when speculative drafts were accepted
+                seq.token_ids.append(token)
+                if self._check_finished(seq, token):
+                    seq.draft_tokens, seq.draft_probs = [], None
+                    self.scheduler.finish(seq)
+                    if all(s.is_finished for s in state.seqs):
+                        finished.append(self._output(state, now))
+                    break
         return finished
 
     def _check_finished(self, seq: Sequence, token: int) -> bool:

@@ -33,12 +33,17 @@ class ModelRunner:
         )
         self.block_size = config.block_size
         self.graphs = None
+        self.speculator = None
+        if config.speculative_tokens:
+            from engine.spec_decode.speculator import MtpSpeculator
+
+            self.speculator = MtpSpeculator(self, config.speculative_tokens)
         if self.device.type == "cuda":  # GPU backend setup (engine/backends/cuda.py)
             from engine.backends.cuda import prepare_model
 
             prepare_model(self.model, self.dtype, self.max_model_len)
         self.num_blocks = self._allocate_kv_cache()
-        if self.device.type == "cuda" and not config.record_routing:
+        if self.device.type == "cuda" and not config.record_routing and self.speculator is None:
             # Decode steps replay CUDA graphs (engine/cuda_graph_runner.py); takes one block.
             from engine.cuda_graph_runner import decode_graphs_for
 
@@ -101,22 +106,30 @@ class ModelRunner:
         return num_blocks
 
     def prepare(self, batch: ScheduledBatch):
+        """Flattened inputs and the attention context for a scheduled batch. A sequence's
+        rows are its uncomputed tokens, then its draft tokens (speculative decoding)."""
+        items = [(s, s.num_computed, n) for s, n in zip(batch.seqs, batch.num_tokens)]
+        return self.build_inputs(items)
+
+    def build_inputs(self, items: list[tuple[Sequence, int, int]]):
+        """items: (sequence, first position, number of rows). Returns (input_ids [T],
+        positions [T], AttentionContext)."""
         ids: list[int] = []
         positions: list[int] = []
         slots: list[int] = []
         qlens: list[int] = []
         clens: list[int] = []
         bs = self.block_size
-        for seq, n in zip(batch.seqs, batch.num_tokens):
-            start = seq.num_computed
-            ids.extend(seq.token_ids[start : start + n])
+        for seq, start, n in items:
+            tokens = seq.token_ids + seq.draft_tokens if seq.draft_tokens else seq.token_ids
+            ids.extend(tokens[start : start + n])
             positions.extend(range(start, start + n))
             table = seq.block_table
             slots.extend(table[p // bs] * bs + p % bs for p in range(start, start + n))
             qlens.append(n)
             clens.append(start + n)
-        width = max(len(s.block_table) for s in batch.seqs)
-        tables = [s.block_table + [0] * (width - len(s.block_table)) for s in batch.seqs]
+        width = max(len(s.block_table) for s, _, _ in items)
+        tables = [s.block_table + [0] * (width - len(s.block_table)) for s, _, _ in items]
         dev = self.device
         cu = [0]
         for n in qlens:
@@ -136,13 +149,16 @@ class ModelRunner:
         return input_ids, pos, ctx
 
     @torch.inference_mode()
-    def run(self, batch: ScheduledBatch) -> dict[int, int]:
-        """Run the batch; returns {seq_id: next token} for the sequences that sample."""
+    def run(self, batch: ScheduledBatch) -> dict[int, list[int]]:
+        """Run the batch; returns {seq_id: new tokens} for the sequences that emit tokens
+        (one each, or several when speculative drafts were accepted)."""
+        if self.speculator is not None:
+            return self.speculator.run(batch)
         if self.graphs is not None and batch.is_decode:
             # CUDA graphs: one replay runs the whole decode step (engine/cuda_graph_runner.py)
             tokens = self.graphs.run(batch)
             if tokens is not None:
-                return tokens
+                return {seq_id: [t] for seq_id, t in tokens.items()}
         input_ids, positions, ctx = self.prepare(batch)
         hidden = self.model(input_ids, positions, ctx)  # [T, D]
         rows: list[int] = []
@@ -165,7 +181,7 @@ class ModelRunner:
             [s.generator for s in sampling],
             banned if any(banned) else None,
         )
-        return {s.seq_id: t for s, t in zip(sampling, tokens)}
+        return {s.seq_id: [t] for s, t in zip(sampling, tokens)}
 
     def _banned(self, seq: Sequence) -> list[int]:
         if seq.num_output_tokens >= seq.params.min_tokens:

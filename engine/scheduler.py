@@ -28,8 +28,17 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, blocks: BlockManager, max_num_seqs: int, max_num_batched_tokens: int):
+    def __init__(
+        self,
+        blocks: BlockManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        lookahead_slots: int = 0,
+    ):
         self.blocks = blocks
+        # extra cache positions each running sequence keeps ahead of its tokens
+        # (speculative drafts and the draft model's own cache writes)
+        self.lookahead_slots = lookahead_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.waiting: deque[Sequence] = deque()
@@ -51,15 +60,17 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             seq = self.running[i]
-            n = min(seq.num_uncomputed, budget)
-            while not self.blocks.can_grow(seq, seq.num_computed + n):
+            if seq.draft_tokens and seq.num_uncomputed + len(seq.draft_tokens) > budget:
+                seq.draft_tokens, seq.draft_probs = [], None  # drafts are optional
+            n = min(seq.num_uncomputed + len(seq.draft_tokens), budget)
+            while not self.blocks.can_grow(seq, self._needed(seq, n)):
                 victim = self.running[-1]
                 self._preempt(victim)
                 if victim is seq:
                     break
             if seq.status is not Status.RUNNING:
                 break  # seq itself was preempted: nothing later can run either
-            self.blocks.grow(seq, seq.num_computed + n)
+            self.blocks.grow(seq, self._needed(seq, n))
             seqs.append(seq)
             counts.append(n)
             budget -= n
@@ -70,16 +81,20 @@ class Scheduler:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._next_waiting()
             n = min(seq.num_uncomputed, budget)
-            if not self.blocks.can_grow(seq, seq.num_computed + n):
+            if not self.blocks.can_grow(seq, self._needed(seq, n)):
                 break
             self._take_waiting(seq)
-            self.blocks.grow(seq, seq.num_computed + n)
+            self.blocks.grow(seq, self._needed(seq, n))
             seq.status = Status.RUNNING
             self.running.append(seq)
             seqs.append(seq)
             counts.append(n)
             budget -= n
         return ScheduledBatch(seqs, counts)
+
+    def _needed(self, seq: Sequence, n: int) -> int:
+        """Cache positions the sequence must own to run n more rows this step."""
+        return seq.num_computed + n + self.lookahead_slots
 
     def _next_waiting(self) -> Sequence:
         head = self.waiting[0]
@@ -108,6 +123,7 @@ class Scheduler:
     def _preempt(self, seq: Sequence) -> None:
         self.running.remove(seq)
         self.blocks.release(seq)
+        seq.draft_tokens, seq.draft_probs = [], None
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
         self.num_preemptions += 1
@@ -121,7 +137,7 @@ class Scheduler:
         """Waiting sequences that can never fit the whole cache: nothing else to do with
         them than to fail them (the caller reports the error)."""
         capacity = self.blocks.num_blocks * self.blocks.block_size
-        bad = [s for s in self.waiting if len(s) + 1 > capacity]
+        bad = [s for s in self.waiting if len(s) + 1 + self.lookahead_slots > capacity]
         for s in bad:
             self.waiting.remove(s)
             s.status = Status.FINISHED

@@ -47,6 +47,10 @@ class Sequence:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.text = ""  # detokenized output (kept current only when stop strings need it)
+        # Speculative decoding: tokens proposed by the draft model for the next step, and
+        # the distributions they were drawn from (for rejection sampling).
+        self.draft_tokens: list[int] = []
+        self.draft_probs: torch.Tensor | None = None
 
     def __len__(self) -> int:
         return len(self.token_ids)

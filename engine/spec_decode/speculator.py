@@ -1,0 +1,113 @@
+"""MTP speculative decoding inside continuous batching.
+
+Per step, every scheduled sequence runs its rows through the target model: prefill
+chunks as usual, and for a decoding sequence with drafts, its last token followed by its
+K drafts (K+1 rows at positions p..p+K). Then:
+
+1. Emitted tokens: a sequence whose prompt chunk ends this step samples one token; a
+   sequence with drafts verifies them (greedy: exact match with the target's argmax;
+   sampled: rejection sampling, so the output distribution is the target's) and emits
+   the accepted drafts plus one correction / bonus token.
+2. Only rows whose tokens are confirmed stay valid: the cache entries of rejected drafts
+   are simply overwritten later (num_computed stops after the last accepted row).
+3. The MTP layer runs over the valid rows (its own cache gets those positions) with each
+   row's confirmed next token, and proposes K drafts for every sequence that emitted.
+
+The scheduler gives each running sequence blocks for K extra positions (drafts and the
+MTP layer's speculative cache writes).
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from engine.sampler import filter_logits, sample
+from engine.spec_decode.acceptance import AcceptanceStats, greedy_accept, rejection_sample
+from engine.spec_decode.mtp import MtpDrafter
+
+if TYPE_CHECKING:
+    from engine.model_runner import ModelRunner
+    from engine.scheduler import ScheduledBatch
+    from engine.sequence import Sequence
+
+
+class MtpSpeculator:
+    def __init__(self, runner: ModelRunner, num_draft_tokens: int) -> None:
+        self.runner = runner
+        self.num_draft_tokens = num_draft_tokens
+        self.drafter = MtpDrafter(runner.model, num_draft_tokens)
+        self.stats = AcceptanceStats()
+
+    def run(self, batch: ScheduledBatch) -> dict[int, list[int]]:
+        runner, model = self.runner, self.runner.model
+        input_ids, positions, ctx = runner.prepare(batch)
+        hidden = model(input_ids, positions, ctx)  # [T, D]
+        emitted: dict[int, list[int]] = {}
+        valid_items: list[tuple[Sequence, int, int]] = []
+        valid_rows: list[int] = []
+        next_ids: list[int] = []
+        row = 0
+        for seq, n in zip(batch.seqs, batch.num_tokens):
+            start = seq.num_computed
+            rows = torch.arange(row, row + n, device=hidden.device)
+            new = self._emit(seq, start, n, hidden, rows)
+            confirmed = seq.token_ids + new
+            valid = min(n, len(confirmed) - 1 - start)
+            valid_items.append((seq, start, valid))
+            valid_rows.extend(range(row, row + valid))
+            next_ids.extend(confirmed[start + 1 : start + valid + 1])
+            seq.num_computed = start + valid
+            seq.draft_tokens, seq.draft_probs = [], None
+            if new:
+                emitted[seq.seq_id] = new
+            row += n
+        self._propose(batch, hidden, valid_items, valid_rows, next_ids, emitted)
+        return emitted
+
+    def _emit(self, seq: Sequence, start: int, n: int, hidden, rows) -> list[int]:
+        """Tokens this sequence emits this step (none while its prompt chunk is unfinished)."""
+        drafts = seq.draft_tokens
+        if start + n - len(drafts) < len(seq):
+            return []  # mid-prefill chunk
+        model = self.runner.model
+        if not drafts:
+            logits = model.compute_logits(hidden[rows[-1:]])
+            banned = self.runner._banned(seq)
+            return sample(logits, [seq.params], [seq.generator], [banned] if banned else None)
+        k = len(drafts)
+        logits = model.compute_logits(hidden[rows[-(k + 1) :]])  # [K+1, V]
+        draft = torch.tensor([drafts], device=logits.device)
+        if seq.params.greedy:
+            result = greedy_accept(draft, logits[None])
+        else:
+            target = torch.stack([filter_logits(row, seq.params) for row in logits])
+            result = rejection_sample(
+                draft, seq.draft_probs[None], target[None], generator=seq.generator
+            )
+        self.stats.update(result)
+        return result.tokens[0]
+
+    def _propose(self, batch, hidden, valid_items, valid_rows, next_ids, emitted) -> None:
+        items = [(s, start, n) for s, start, n in valid_items if n > 0]
+        if not items:
+            return
+        runner = self.runner
+        _, positions, ctx = runner.build_inputs(items)
+        rows = torch.tensor(valid_rows, device=hidden.device)
+        temps = torch.tensor([s.params.temperature for s, _, _ in items], device=hidden.device)
+        proposal = self.drafter.propose(
+            hidden[rows],
+            torch.tensor(next_ids, device=hidden.device),
+            positions,
+            ctx,
+            temperatures=None if bool((temps == 0).all()) else temps,
+        )
+        for b, (seq, _, _) in enumerate(items):
+            if seq.seq_id not in emitted or runner._banned(seq):
+                continue
+            room = runner.max_model_len - 1 - (len(seq) + len(emitted[seq.seq_id]))
+            k = max(0, min(self.num_draft_tokens, room, seq.params.max_tokens))
+            seq.draft_tokens = proposal.tokens[b, :k].tolist()
+            seq.draft_probs = proposal.probs[b, :k]
