@@ -3,7 +3,7 @@
 # engine on Moonlight-shaped random checkpoints in bf16 and FP8 + MXFP4, transformers on the
 # bf16 one). Logs and JSON land in $OUT (the device tool's folder) or /tmp/gpu_out.
 #   scripts/gpu_engine_check.sh [bench options]     e.g. --layers 4 --hf-batches ""
-#   SKIP_TESTS=1 scripts/gpu_engine_check.sh        bench only
+#   SKIP_TESTS=1 scripts/gpu_engine_check.sh        bench only (SKIP_BENCH=1: tests only)
 # Runs with the image's python3 and PYTHONPATH=. (no pip installs on the GPU machine).
 set -uo pipefail
 OUT=${OUT:-/tmp/gpu_out}
@@ -29,6 +29,7 @@ if [[ -z "${SKIP_TESTS:-}" ]]; then
     grep -E "^(FAILED|ERROR)|Error|assert" "$OUT/engine_tests.log" | head -20
 fi
 
+[[ -n "${SKIP_BENCH:-}" ]] && exit 0
 start=$(date +%s)
 timeout "$BENCH_TIMEOUT" python3 -m batchgen.bench.decode_moe "$@" >"$OUT/bench_decode.log" 2>&1
 echo "bench rc=$? in $(($(date +%s) - start)) s"

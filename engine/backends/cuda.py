@@ -43,6 +43,7 @@ from engine.models.base import CausalLM
 log = logging.getLogger(__name__)
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
+MIN_DOT_K = 16  # tl.dot needs K >= 16; the decode kernel dots over the latent and rope widths
 
 
 # -- norms and dense linears ------------------------------------------------------------
@@ -230,12 +231,12 @@ def mla_decode_forward(
     q_c = torch.bmm(q[..., :N].transpose(0, 1), state.w_uk.to(q.dtype))  # [H, T, R]
     q_c = q_c.transpose(0, 1).to(cache.dtype)  # [T, H, R]
     q_rope = q[..., N:].to(cache.dtype)  # [T, H, P]
-    if cache.dtype in KERNEL_DTYPES:
+    if cache.dtype in KERNEL_DTYPES and min(R, P) >= MIN_DOT_K:
         splits = choose_num_splits(T, ctx.max_context_len, H, x.device)
         o_lat = mla_decode(
             q_c, q_rope, cache, ctx.block_tables, ctx.context_lens, attn.scale, splits
         )  # [T, H, R]
-    else:  # float32: exact torch attention (the kernel's float32 dots round to tf32)
+    else:  # float32 (the kernel's float32 dots round to tf32), or dims under tl.dot's K
         o_lat = absorbed_decode_torch(q_c, q_rope, cache, ctx, attn.scale)
     out = torch.bmm(o_lat.transpose(0, 1), state.w_uv_t.to(o_lat.dtype))  # [H, T, V]
     out = out.transpose(0, 1).reshape(T, H * d.v_head_dim).to(x.dtype)
