@@ -1,0 +1,163 @@
+"""`batchgen bench pipeline-memory`: peak RSS of a whole job over a large input.
+
+The job runs through the real pipeline and the real engine, on a tiny random llama (so the
+model's own footprint is small and the figure is the pipeline's) with one output token per
+row. RSS is sampled every 50 ms; the figure reported is peak RSS minus the RSS after the
+model was loaded, i.e. what the pipeline adds on top of the model. The bound to hold is
+1.5 GB for 2 million rows.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import threading
+import time
+from pathlib import Path
+
+import click
+import psutil
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.bench.common import write_result
+
+_KV_BYTES = 64 * 2**20
+_WORDS = ["invoice", "meeting", "shipment", "budget", "contract", "customer", "report", "team"]
+
+
+def write_input(path: Path, rows: int, chunk: int = 100_000) -> None:
+    """Write `rows` short distinct business-like prompts without holding them all."""
+    schema = pa.schema([("id", pa.string()), ("text", pa.string())])
+    with pq.ParquetWriter(path, schema) as writer:
+        for start in range(0, rows, chunk):
+            n = min(chunk, rows - start)
+            ids = [f"row-{i:09d}" for i in range(start, start + n)]
+            texts = [
+                f"Please check the {_WORDS[i % 8]} {i} for the {_WORDS[(i // 8) % 8]} team."
+                for i in range(start, start + n)
+            ]
+            writer.write_table(pa.table({"id": ids, "text": texts}, schema=schema))
+
+
+def build_tiny_checkpoint(out: Path) -> Path:
+    """A random 2-layer llama with a byte-level BPE tokenizer and a chat template."""
+    import torch
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=512,
+        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+    )
+    tok.train_from_iterator([f"Please check the {w} for the team." for w in _WORDS] * 20, trainer)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>"
+    )
+    fast.chat_template = (
+        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+    )
+    fast.save_pretrained(out)
+    config = LlamaConfig(
+        vocab_size=len(fast),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=256,
+        bos_token_id=fast.bos_token_id,
+        eos_token_id=fast.eos_token_id,
+    )
+    torch.manual_seed(0)
+    LlamaForCausalLM(config).save_pretrained(out)
+    return out
+
+
+class PeakRSS:
+    """Samples this process's RSS in a background thread."""
+
+    def __init__(self, every_s: float = 0.05):
+        self.proc = psutil.Process(os.getpid())
+        self.every_s = every_s
+        self.peak = self.proc.memory_info().rss
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._loop, daemon=True)
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self.peak = max(self.peak, self.proc.memory_info().rss)
+            time.sleep(self.every_s)
+
+    def __enter__(self) -> PeakRSS:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self.peak = max(self.peak, self.proc.memory_info().rss)
+
+
+@click.command("pipeline-memory")
+@click.option("--rows", type=int, default=2_000_000, show_default=True)
+@click.option("--max-num-seqs", type=int, default=256, show_default=True)
+@click.option("--workdir", type=click.Path(file_okay=False), default=None)
+def command(rows: int, max_num_seqs: int, workdir: str | None) -> None:
+    """Peak RSS above the model's footprint for a job of ROWS rows (tiny model, 1 token)."""
+    from batchgen.job_spec import parse_job
+    from batchgen.progress import Progress
+    from batchgen.run import run_job
+    from engine import LLM
+
+    base = Path(workdir or tempfile.mkdtemp(prefix="bench-pipeline-memory-"))
+    base.mkdir(parents=True, exist_ok=True)
+    data = base / "input.parquet"
+    t0 = time.time()
+    write_input(data, rows)
+    click.echo(f"input: {rows:,} rows written in {time.time() - t0:.1f}s -> {data}")
+    model_dir = build_tiny_checkpoint(base / "tiny-llama")
+    job = parse_job(
+        {
+            "input": {"path": str(data), "id_column": "id"},
+            "prompt": {"template": "{{ text }}"},
+            "model": {"path": str(model_dir), "device": "cpu", "kv_cache_memory": _KV_BYTES},
+            "sampling": {"temperature": 0.0, "max_tokens": 1},
+            "batching": {"cluster": "off", "max_num_seqs": max_num_seqs},
+            "output": {"path": str(base / "run"), "rows_per_part": 10_000},
+        }
+    )
+    # A fixed, small KV cache: its pages are touched as blocks get used, and that growth
+    # belongs to the model's footprint, not the pipeline's.
+    llm = LLM(str(model_dir), device="cpu", max_num_seqs=max_num_seqs, kv_cache_memory=_KV_BYTES)
+    proc = psutil.Process(os.getpid())
+    baseline = proc.memory_info().rss
+    with open(os.devnull, "w") as devnull, PeakRSS() as peak:
+        start = time.time()
+        progress = Progress(base / "progress.json", interval=30, tty=False, stream=devnull)
+        outcome = run_job(job, "bench", llm=llm, progress=progress)
+        elapsed = time.time() - start
+    above = peak.peak - baseline
+    payload = {
+        "rows": rows,
+        "exit_code": outcome.exit_code,
+        "rss_after_model_load_mb": round(baseline / 2**20, 1),
+        "peak_rss_mb": round(peak.peak / 2**20, 1),
+        "peak_above_model_mb": round(above / 2**20, 1),
+        "bound_mb": 1536,
+        "within_bound": above < 1.5 * 2**30,
+        "wall_s": round(elapsed, 1),
+        "rows_per_s": round(rows / elapsed, 1),
+        "max_num_seqs": max_num_seqs,
+    }
+    path = write_result(f"pipeline-memory-{rows}", payload)
+    click.echo(f"{'rows':<28}{rows:,}")
+    for key in ("exit_code", "rss_after_model_load_mb", "peak_rss_mb", "peak_above_model_mb",
+                "within_bound", "wall_s", "rows_per_s"):  # fmt: skip
+        click.echo(f"{key:<28}{payload[key]}")
+    click.echo(f"written: {path}")
