@@ -67,6 +67,11 @@ class LLM:
     def num_preemptions(self) -> int:
         return self.engine.scheduler.num_preemptions
 
+    def record_routing(self, on: bool = True) -> bool:
+        """Start (or stop) recording routing statistics; False for models without routed
+        experts. On a GPU, recording steps run eagerly instead of replaying graphs."""
+        return self.engine.record_routing(on)
+
     def routing_stats(self) -> dict | None:
         """Per-layer distinct experts and expert bytes per step (MoE models, when the LLM
         was built with record_routing=True); None otherwise."""

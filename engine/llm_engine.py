@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import torch
@@ -48,10 +49,18 @@ class LLMEngine:
         self.num_steps = 0
         self.routing_recorder = None
         if config.record_routing:
-            from engine.routing_stats import RoutingRecorder
+            self.record_routing(True)
 
-            self.routing_recorder = RoutingRecorder()
-            self.runner.model.routing_recorder = self.routing_recorder
+    def record_routing(self, on: bool) -> bool:
+        """Turn routing statistics on or off; False when the model has no routed experts."""
+        model = self.runner.model
+        if not hasattr(model, "routing_recorder"):
+            return False
+        from engine.routing_stats import RoutingRecorder
+
+        self.routing_recorder = RoutingRecorder() if on else None
+        model.routing_recorder = self.routing_recorder
+        return True
 
     # -- requests -------------------------------------------------------------------
     def add_request(
@@ -115,7 +124,9 @@ class LLMEngine:
                 )
             return finished
         if self.routing_recorder is not None:
-            self.routing_recorder.begin_step(sum(batch.num_tokens), batch.is_decode)
+            groups = Counter(s.group for s in batch.seqs if s.group is not None)
+            dominant = groups.most_common(1)[0][0] if groups else None
+            self.routing_recorder.begin_step(sum(batch.num_tokens), batch.is_decode, dominant)
         new_tokens = self.runner.run(batch)
         self.num_steps += 1
         now = time.monotonic()
