@@ -63,6 +63,40 @@ def planned_order(
     return [row.seq for row in plan_by_cluster(rows, spec, spill_dir)]
 
 
+def cluster_prompts(ids, texts, batch: int, scratch: Path) -> tuple[list[int], list[dict]]:
+    """Embed and cluster here, with the same rule as a run: a cluster must fill a batch."""
+    import pyarrow.parquet as pq
+
+    from batchgen.task_clusters import ClusterSettings, build_task_clusters
+
+    settings = ClusterSettings(min_cluster_size=batch)
+    clusters = build_task_clusters(zip(ids, texts), scratch / "clusters", settings)
+    assigned = pq.read_table(clusters.assignments_path).column("cluster_id").to_pylist()
+    return assigned, [
+        {"id": c.cluster_id, "name": c.name, "size": c.size} for c in clusters.clusters
+    ]
+
+
+def load_assignments(path: Path, ids: list[str]) -> tuple[list[int], list[dict]]:
+    """Cluster ids from a `batchgen cluster --out` file (id, cluster_id, cluster_name), so a
+    machine without the embedding model (e.g. a GPU box) can run the benchmark."""
+    import pyarrow.parquet as pq
+
+    table = pq.read_table(path, columns=["id", "cluster_id", "cluster_name"]).to_pylist()
+    by_id = {str(r["id"]): r for r in table}
+    missing = [i for i in ids if i not in by_id]
+    if missing:
+        raise click.UsageError(f"{path}: no cluster for ids {missing[:5]} ({len(missing)} in all)")
+    assigned = [int(by_id[i]["cluster_id"]) for i in ids]
+    sizes: dict[int, int] = {}
+    names: dict[int, str] = {}
+    for i in ids:
+        c = int(by_id[i]["cluster_id"])
+        sizes[c] = sizes.get(c, 0) + 1
+        names[c] = by_id[i]["cluster_name"]
+    return assigned, [{"id": c, "name": names[c], "size": n} for c, n in sorted(sizes.items())]
+
+
 def run_order(llm, token_ids, order, groups, max_tokens: int) -> dict:
     """Stream the prompts in `order` and return routing means and decode speed."""
     from engine import SamplingParams
@@ -108,8 +142,8 @@ def run_benchmark(
     limit: int | None,
     device: str,
     dtype: str,
+    assignments: Path | None = None,
 ) -> dict:
-    from batchgen.task_clusters import ClusterSettings, build_task_clusters
     from engine import LLM
 
     ids, texts = load_prompts(input_path, column, id_column, limit)
@@ -118,12 +152,10 @@ def run_benchmark(
         raise click.UsageError(f"{model}: the model records no routing (not a MoE model?)")
     token_ids = [llm.tokenizer.encode(t) for t in texts]
     with tempfile.TemporaryDirectory() as scratch:
-        # Same rule as a run: a cluster must fill a batch on its own.
-        settings = ClusterSettings(min_cluster_size=batch)
-        clusters = build_task_clusters(zip(ids, texts), Path(scratch) / "clusters", settings)
-        import pyarrow.parquet as pq
-
-        assigned = pq.read_table(clusters.assignments_path).column("cluster_id").to_pylist()
+        if assignments is not None:
+            assigned, cluster_list = load_assignments(assignments, ids)
+        else:
+            assigned, cluster_list = cluster_prompts(ids, texts, batch, Path(scratch))
         order = planned_order(
             token_ids, assigned, window=4 * batch, spill_dir=Path(scratch) / "plan"
         )
@@ -143,9 +175,7 @@ def run_benchmark(
         "device": device,
         "routed_experts": getattr(config, "n_routed_experts", None),
         "experts_per_token": getattr(config, "num_experts_per_tok", None),
-        "clusters": [
-            {"id": c.cluster_id, "name": c.name, "size": c.size} for c in clusters.clusters
-        ],
+        "clusters": cluster_list,
         "arrival": arrival,
         "planned": planned,
         "reduction": {
@@ -166,13 +196,29 @@ def run_benchmark(
 @click.option("--device", default="auto", show_default=True)
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--name", default=None, help="JSON name (default: routing-<model dir name>).")
-def command(model, input_path, batch, max_tokens, column, id_column, limit, device, dtype, name):
+@click.option(
+    "--assignments",
+    type=click.Path(exists=True, dir_okay=False, path_type=Path),
+    help="Cluster assignments from `batchgen cluster --out` instead of embedding here.",
+)
+def command(
+    model, input_path, batch, max_tokens, column, id_column, limit, device, dtype, name, assignments
+):
     """Distinct experts per layer per step: arrival order vs planned (clustered) order."""
     from rich.console import Console
     from rich.table import Table
 
     payload = run_benchmark(
-        model, Path(input_path), batch, max_tokens, column, id_column, limit, device, dtype
+        model,
+        Path(input_path),
+        batch,
+        max_tokens,
+        column,
+        id_column,
+        limit,
+        device,
+        dtype,
+        assignments,
     )
     path = write_result(name or f"routing-{Path(model).name}", payload)
     arrival, planned = payload["arrival"], payload["planned"]
