@@ -1,13 +1,18 @@
-"""Fused MoE for routed experts: two launches after the grouping step.
+"""Fused MoE for routed experts (and optionally the shared expert) in four launches:
 
 Legend: T tokens, D hidden, I expert intermediate, E experts, A experts per token,
 P = T*A (token, expert) pairs.
 
-  1. moe_align groups the P pairs by expert, padded to BLOCK_M tiles (torch, no sync).
+  1. moe_align groups the P pairs by expert, padded to BLOCK_M tiles (one Triton launch,
+     no sync), and zeroes the float32 accumulator y [T, D] in the same launch.
   2. gate+up: one GEMM over the stacked [E, 2I, D] weight (gate rows first, then up),
      SiLU(gate) * up fused in the epilogue -> h [P, I].
-  3. down: h @ W2[e]^T over [E, D, I], times the pair's routing weight -> y [P, D] float32,
-     then the combine sums each token's A rows (a second reduction, deterministic).
+  3. down: h @ W2[e]^T over [E, D, I], times the pair's routing weight, atomically added
+     into the token's row of y (the combine, no [P, D] buffer and no reduction launch).
+  4. y -> x's dtype.
+A shared expert (DeepSeek's, unweighted) adds two launches of the same kernels in DENSE
+mode (every row is one token, one expert, no alignment), accumulating into the same y, so
+`routed + shared` costs no add either.
 
 Weights: "bf16" (or fp16) stacked tensors; "fp8": E4M3 codes with 128x128 block scales per
 expert ([E, ceil(N/128), ceil(K/128)], float32 or E8M0 uint8); "mxfp4": packed uint8
@@ -20,6 +25,8 @@ from configs/fused_moe.json when tuned for the device, else the heuristic below.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import triton
 
@@ -30,6 +37,31 @@ from kernels.triton.moe_align import moe_align
 
 OP = "fused_moe"
 WEIGHT_FORMATS = {"bf16": 0, "fp8": 1, "mxfp4": 3}
+
+
+@dataclass
+class SharedExpert:
+    """A dense SwiGLU MLP added unweighted to every token's routed output.
+    w13 [2Is, D(/2)] gate rows then up rows; w2 [D, Is(/2)]; formats as fused_moe's."""
+
+    fmt: str
+    w13: torch.Tensor
+    w2: torch.Tensor
+    w13_scale: torch.Tensor | None = None
+    w2_scale: torch.Tensor | None = None
+
+
+def dense_config(num_tokens: int, n: int, fmt: str) -> dict:
+    """Shared-expert launches: the narrowest N tile that still gives ~1 wave of programs
+    over the expert's rows at decode sizes (few rows, so bytes in flight come from many
+    programs), wider tiles once M fills them."""
+    block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 64 else 64
+    block_n = 16 if num_tokens <= 16 else 64 if num_tokens <= 64 else 128
+    if n // block_n < 64:
+        block_n = 16
+    block_k = {"bf16": 64, "fp8": 128, "mxfp4": 64}[fmt]
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+                num_warps=4, num_stages=4 if num_tokens <= 16 else 3)  # fmt: skip
 
 
 def default_config(num_pairs: int, num_experts: int, fmt: str) -> dict:
@@ -83,6 +115,21 @@ def _check_weight(name, w, scale, fmt, e, n, k):
         assert scale.stride(-1) == 1, f"{name} scale must be row-major"
 
 
+def _wfmt(fmt: str, scale: torch.Tensor | None) -> int:
+    if fmt == "fp8" and scale is not None and scale.dtype == torch.uint8:
+        return 2  # FP8 with E8M0 block scales
+    return WEIGHT_FORMATS[fmt]
+
+
+def _scale_args(w: torch.Tensor, scale: torch.Tensor | None, expert_dim: bool):
+    """(scale pointer, expert stride, row stride); the weight stands in for absent scales."""
+    if scale is None:
+        return w, 0, 0
+    if expert_dim:
+        return scale, scale.stride(0), scale.stride(1)
+    return scale, 0, scale.stride(0)
+
+
 def fused_moe(
     x: torch.Tensor,
     w13: torch.Tensor,
@@ -93,10 +140,12 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     config: dict | None = None,
+    shared: SharedExpert | None = None,
 ) -> torch.Tensor:
     """x [T, D] bf16/fp16; w13 [E, 2I, D] (gate rows, then up rows); w2 [E, D, I];
     topk_weights [T, A] float32; topk_ids [T, A] int. Returns [T, D] in x's dtype:
-    sum_a topk_weights[t, a] * down(silu(gate(x_t)) * up(x_t)) of expert topk_ids[t, a]."""
+    sum_a topk_weights[t, a] * down(silu(gate(x_t)) * up(x_t)) of expert topk_ids[t, a],
+    plus shared(x_t) when a shared expert is given."""
     assert x.dim() == 2 and x.stride(-1) == 1, f"x must be a row-major [T, D], got {list(x.shape)}"
     assert x.dtype in (torch.bfloat16, torch.float16), f"x must be bf16/fp16, got {x.dtype}"
     t, d = x.shape
@@ -109,9 +158,8 @@ def fused_moe(
     )
     check_device(x, w13, w2, topk_weights, topk_ids)
     top_k = topk_ids.shape[1]
-    out = torch.empty_like(x)
     if t == 0:
-        return out
+        return torch.empty_like(x)
     cfg = config or configs.lookup(OP, shape_key(t, top_k, e, d, i, fmt), x.device)
     cfg = dict(cfg) if cfg is not None else default_config(t * top_k, e, fmt)
     if fmt == "fp8":
@@ -120,36 +168,83 @@ def fused_moe(
         assert cfg["BLOCK_K"] % 32 == 0, (
             f"MXFP4 needs BLOCK_K a multiple of 32, got {cfg['BLOCK_K']}"
         )
-    wfmt = WEIGHT_FORMATS[fmt]
-    if fmt == "fp8" and w13_scale.dtype == torch.uint8:
-        wfmt = 2
-    w2fmt = 2 if fmt == "fp8" and w2_scale.dtype == torch.uint8 else WEIGHT_FORMATS[fmt]
 
-    align = moe_align(topk_ids, e, cfg["BLOCK_M"])
+    y = torch.empty((t, d), dtype=torch.float32, device=x.device)  # zeroed by moe_align
+    align = moe_align(topk_ids, e, cfg["BLOCK_M"], zero=y)
     p = align.num_pairs
     max_blocks = align.block_expert.numel()
-    route_w = topk_weights.reshape(-1).to(torch.float32)
+    route_w = topk_weights.reshape(-1)
+    if route_w.dtype != torch.float32 or not route_w.is_contiguous():
+        route_w = route_w.to(torch.float32).contiguous()
     h = torch.empty((p, i), dtype=x.dtype, device=x.device)
-    y = torch.empty((p, d), dtype=torch.float32, device=x.device)
-    s13 = w13_scale if w13_scale is not None else w13  # unused pointer for bf16
-    s2 = w2_scale if w2_scale is not None else w2
-    s13_strides = (s13.stride(0), s13.stride(1)) if w13_scale is not None else (0, 0)
-    s2_strides = (s2.stride(0), s2.stride(1)) if w2_scale is not None else (0, 0)
+    s13, *s13_strides = _scale_args(w13, w13_scale, expert_dim=True)
+    s2, *s2_strides = _scale_args(w2, w2_scale, expert_dim=True)
     launch = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
     meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                 F32_DOT=interpreting())  # fmt: skip
+    pairs, groups = align.sorted_pairs, align.block_expert
 
     moe_gate_up_kernel[(max_blocks, triton.cdiv(i, cfg["BLOCK_N"]))](
-        x, w13, s13, h, align.sorted_pairs, align.block_expert,
+        x, w13, s13, h, pairs, groups,
         p, d, i,
         x.stride(0), w13.stride(0), w13.stride(1), *s13_strides, h.stride(0),
-        TOPK=top_k, WFMT=wfmt, **meta, **launch,
+        TOPK=top_k, WFMT=_wfmt(fmt, w13_scale), DENSE=False, **meta, **launch,
     )  # fmt: skip
+    if shared is not None:
+        h_shared = _shared_gate_up(x, shared, d)
     moe_down_kernel[(max_blocks, triton.cdiv(d, cfg["BLOCK_N"]))](
-        h, w2, s2, route_w, y, align.sorted_pairs, align.block_expert,
+        h, w2, s2, route_w, y, pairs, groups,
         p, d, i,
         h.stride(0), w2.stride(0), w2.stride(1), *s2_strides, y.stride(0),
-        WFMT=w2fmt, **meta, **launch,
+        TOPK=top_k, WFMT=_wfmt(fmt, w2_scale), DENSE=False, **meta, **launch,
     )  # fmt: skip
-    out.copy_(y.view(t, top_k, d).sum(dim=1))  # the combine: sum over each token's A pairs
-    return out
+    if shared is not None:
+        _shared_down(h_shared, shared, y)
+    return y.to(x.dtype)
+
+
+def _check_shared(shared: SharedExpert, d: int) -> int:
+    """The shared expert's intermediate size, after checking its layout."""
+    packed = 2 if shared.fmt == "mxfp4" else 1
+    i = shared.w2.shape[-1] * packed
+    assert shared.w13.dim() == 2 and shared.w2.dim() == 2, "shared w13/w2 must be 2-D"
+    _check_weight("shared w13", shared.w13[None], _expert(shared.w13_scale), shared.fmt, 1,
+                  2 * i, d)  # fmt: skip
+    _check_weight("shared w2", shared.w2[None], _expert(shared.w2_scale), shared.fmt, 1, d, i)
+    return i
+
+
+def _expert(scale: torch.Tensor | None) -> torch.Tensor | None:
+    return scale[None] if scale is not None else None
+
+
+def _shared_gate_up(x: torch.Tensor, shared: SharedExpert, d: int) -> torch.Tensor:
+    t = x.shape[0]
+    i = _check_shared(shared, d)
+    cfg = dense_config(t, i, shared.fmt)
+    h = torch.empty((t, i), dtype=x.dtype, device=x.device)
+    s13, *s13_strides = _scale_args(shared.w13, shared.w13_scale, expert_dim=False)
+    moe_gate_up_kernel[(triton.cdiv(t, cfg["BLOCK_M"]), triton.cdiv(i, cfg["BLOCK_N"]))](
+        x, shared.w13, s13, h, h, h,
+        t, d, i,
+        x.stride(0), 0, shared.w13.stride(0), *s13_strides, h.stride(0),
+        TOPK=1, WFMT=_wfmt(shared.fmt, shared.w13_scale), DENSE=True,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        F32_DOT=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
+    return h
+
+
+def _shared_down(h: torch.Tensor, shared: SharedExpert, y: torch.Tensor) -> None:
+    t, d = y.shape
+    i = h.shape[1]
+    cfg = dense_config(t, d, shared.fmt)
+    s2, *s2_strides = _scale_args(shared.w2, shared.w2_scale, expert_dim=False)
+    moe_down_kernel[(triton.cdiv(t, cfg["BLOCK_M"]), triton.cdiv(d, cfg["BLOCK_N"]))](
+        h, shared.w2, s2, y, y, h, h,
+        t, d, i,
+        h.stride(0), 0, shared.w2.stride(0), *s2_strides, y.stride(0),
+        TOPK=1, WFMT=_wfmt(shared.fmt, shared.w2_scale), DENSE=True,
+        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+        F32_DOT=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+    )  # fmt: skip
