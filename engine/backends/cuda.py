@@ -106,19 +106,32 @@ def moe_forward(moe: DeepseekMoE, x: torch.Tensor) -> torch.Tensor:
     weights, ids = route(moe.gate.spec, logits, moe.gate.e_score_correction_bias)
     if moe.routing_recorder is not None:
         moe.routing_recorder.record(moe.layer_index, ids, moe.experts.bytes_per_expert())
-    out = routed_experts(moe.experts, x, weights, ids)
-    if moe.shared_experts is not None:
+    # The fused kernels add the shared expert into the routed experts' accumulator (two
+    # launches instead of gate, up, silu, mul, down and the add).
+    shared = getattr(moe, "cuda_shared", None)
+    out = routed_experts(moe.experts, x, weights, ids, shared)
+    if moe.shared_experts is not None and (shared is None or not _uses_kernels(moe.experts, x)):
         out = out + moe.shared_experts(x)
     return out
 
 
+def _uses_kernels(experts: RoutedExperts, x: torch.Tensor) -> bool:
+    return getattr(experts, "cuda_fused", None) is not None and x.dtype in KERNEL_DTYPES
+
+
 def routed_experts(
-    experts: RoutedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    experts: RoutedExperts,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    shared=None,
 ) -> torch.Tensor:
-    fused: FusedExperts | None = getattr(experts, "cuda_fused", None)
-    if fused is not None and x.dtype in KERNEL_DTYPES:
+    """Routed experts' weighted sum; `shared` (a fused_moe.SharedExpert) is added in the
+    same kernels when the fused path runs, else the caller adds it."""
+    if _uses_kernels(experts, x):
         from kernels.triton.fused_moe import fused_moe
 
+        fused: FusedExperts = experts.cuda_fused
         return fused_moe(
             x.contiguous(),
             fused.w13,
@@ -128,6 +141,7 @@ def routed_experts(
             fused.fmt,
             fused.w13_scale,
             fused.w2_scale,
+            shared=shared,
         )
     if experts.gate_proj.format.name == "unquantized":
         return gathered_experts(experts, x, weights, ids)
@@ -179,6 +193,42 @@ def stack_experts(experts: RoutedExperts) -> FusedExperts | None:
     s13 = _stack_pair(gate, up, leaf) if leaf else None
     s2 = getattr(down, leaf) if leaf else None
     return FusedExperts(fmt, w13, down.weight, s13, s2)
+
+
+def _format_of(linear: torch.nn.Module) -> tuple[str, str | None] | None:
+    """(fused_moe format, scale attribute) of a dense linear, or None if the kernels cannot
+    read it."""
+    name = linear.format.name
+    if name == "unquantized":
+        return ("bf16", None) if linear.weight.dtype in KERNEL_DTYPES else None
+    if name.startswith("fp8_block"):
+        return "fp8", linear.format.scale_name
+    return None
+
+
+def stack_shared_expert(mlp: torch.nn.Module):
+    """The shared expert (a SwiGluMlp) as a fused_moe.SharedExpert: gate and up stacked into
+    one [2Is, D] weight (the parameters become views of it), or None."""
+    from kernels.triton.fused_moe import SharedExpert
+
+    gate, up, down = mlp.gate_proj, mlp.up_proj, mlp.down_proj
+    fmts = {_format_of(gate), _format_of(up), _format_of(down)}
+    if len(fmts) != 1 or None in fmts:
+        return None
+    fmt, leaf = fmts.pop()
+    if fmt == "fp8" and gate.out_features % 128:
+        return None  # gate and up scale grids would share a 128-row block
+
+    def stack(leaf_name: str) -> torch.Tensor:
+        a, b = getattr(gate, leaf_name), getattr(up, leaf_name)
+        both = torch.cat((a.data, b.data), dim=0)
+        a.data, b.data = both[: a.shape[0]], both[a.shape[0] :]
+        return both
+
+    w13 = stack("weight")
+    s13 = stack(leaf) if leaf else None
+    s2 = getattr(down, leaf) if leaf else None
+    return SharedExpert(fmt, w13, down.weight, s13, s2)
 
 
 # -- MLA --------------------------------------------------------------------------------
@@ -273,6 +323,8 @@ def prepare_model(model: CausalLM, dtype: torch.dtype, max_model_len: int) -> No
         if isinstance(module, RoutedExperts):
             module.cuda_fused = stack_experts(module)
             fused += module.cuda_fused is not None
+        elif isinstance(module, DeepseekMoE) and module.shared_experts is not None:
+            module.cuda_shared = stack_shared_expert(module.shared_experts)
         elif isinstance(module, MultiLatentAttention):
             module.cuda_state = prepare_mla(module, dtype, max_model_len)
     if fused:

@@ -52,6 +52,21 @@ def test_experts_are_stacked_as_views(tiny_model):
     assert torch.equal(fused.w13[:, : gate.shape[1]], gate)
 
 
+def test_shared_expert_is_stacked_as_views_and_fused(tiny_model):
+    moe = next(m for m in tiny_model.modules() if isinstance(m, DeepseekMoE))
+    assert moe.shared_experts is not None, "the tiny preset has a shared expert"
+    shared = moe.cuda_shared
+    gate, up = moe.shared_experts.gate_proj.weight, moe.shared_experts.up_proj.weight
+    assert gate.data_ptr() == shared.w13.data_ptr()
+    assert torch.equal(shared.w13[gate.shape[0] :], up)
+    gen = torch.Generator().manual_seed(9)
+    x = torch.randn(3, gate.shape[1], generator=gen).bfloat16()
+    weights, ids = moe.gate(x)
+    routed = backend.routed_experts(moe.experts, x, weights, ids).float()
+    both = backend.routed_experts(moe.experts, x, weights, ids, shared).float()
+    assert relative_error(both - routed, moe.shared_experts(x).float()) < 3e-2
+
+
 def test_moe_forward_matches_the_torch_path(tiny_model):
     moe = next(m for m in tiny_model.modules() if isinstance(m, DeepseekMoE))
     gen = torch.Generator().manual_seed(1)
