@@ -4,8 +4,8 @@ input is a CUDA tensor. One dispatch line in each layer leads here:
   RMSNorm.forward              -> rmsnorm             Triton, residual add fused
   Fp8BlockFormat.apply         -> fp8_linear          Triton, E4M3 decoded in registers
   DeepseekMoE.forward          -> moe_forward         router kernel + fused MoE (bf16/FP8/MXFP4)
-  MultiLatentAttention.forward -> mla_decode_forward  (decode steps) rope kernel, latent cache
-                                                      write, absorbed MLA decode kernel
+  MultiLatentAttention.forward -> mla_decode_forward  (decode steps) one kernel for rope, latent
+                                                      norm and cache write; absorbed MLA decode
 
 Legend: T = tokens in the step, H = heads, N = qk_nope_head_dim, P = qk_rope_head_dim,
 R = kv_lora_rank, V = v_head_dim, D = hidden, I = expert intermediate, E = experts,
@@ -258,8 +258,8 @@ def mla_decode_forward(
     attn: MultiLatentAttention, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
 ) -> torch.Tensor:
     """MultiLatentAttention.forward for a step where every sequence has one new token."""
+    from kernels.triton.mla_cache import mla_rope_cache_write_
     from kernels.triton.mla_decode import choose_num_splits, mla_decode
-    from kernels.triton.rope import apply_rope_
 
     state: MlaCudaState = attn.cuda_state
     d = attn.dims
@@ -270,14 +270,22 @@ def mla_decode_forward(
         q = attn.q_proj(x)
     q = q.view(T, H, N + P)
     kv = attn.kv_a_proj_with_mqa(x)  # [T, R+P]
-    latent = attn.kv_a_layernorm(kv[:, :R].contiguous())  # [T, R]
-    # In place on the rope slices: q's last P of each head, kv's last P (one shared head).
-    apply_rope_(
-        q[..., N:], kv[:, None, R:], positions, state.cos, state.sin, attn.rotary.interleaved
-    )
     cache = attn.kv_cache
-    entries = torch.cat((latent, kv[:, R:]), dim=-1).to(cache.dtype)  # [T, R+P]
-    cache.view(-1, d.cache_width).index_copy_(0, ctx.slot_mapping, entries)
+    norm = attn.kv_a_layernorm
+    # One launch: rope on q's rope slices (in place), and the entry [norm(c) | rope(k_rot)]
+    # written into the token's cache slot.
+    mla_rope_cache_write_(
+        q[..., N:],
+        kv,
+        positions,
+        state.cos,
+        state.sin,
+        attn.rotary.interleaved,
+        norm.weight,
+        norm.eps,
+        cache.view(-1, d.cache_width),
+        ctx.slot_mapping,
+    )
     q_c = torch.bmm(q[..., :N].transpose(0, 1), state.w_uk.to(q.dtype))  # [H, T, R]
     q_c = q_c.transpose(0, 1).to(cache.dtype)  # [T, H, R]
     q_rope = q[..., N:].to(cache.dtype)  # [T, H, P]
@@ -288,9 +296,11 @@ def mla_decode_forward(
         )  # [T, H, R]
     else:  # float32 (the kernel's float32 dots round to tf32), or dims under tl.dot's K
         o_lat = absorbed_decode_torch(q_c, q_rope, cache, ctx, attn.scale)
-    out = torch.bmm(o_lat.transpose(0, 1), state.w_uv_t.to(o_lat.dtype))  # [H, T, V]
-    out = out.transpose(0, 1).reshape(T, H * d.v_head_dim).to(x.dtype)
-    return attn.o_proj(out)
+    # The value half written straight in [T, H, V] order (cuBLAS takes the strided output),
+    # so no transpose copy before o_proj.
+    out = torch.empty((T, H, d.v_head_dim), dtype=o_lat.dtype, device=x.device)
+    torch.bmm(o_lat.transpose(0, 1), state.w_uv_t.to(o_lat.dtype), out=out.transpose(0, 1))
+    return attn.o_proj(out.view(T, H * d.v_head_dim).to(x.dtype))
 
 
 def absorbed_decode_torch(

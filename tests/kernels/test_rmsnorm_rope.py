@@ -3,6 +3,7 @@ import torch
 
 from kernels.reference.rmsnorm import rmsnorm_reference
 from kernels.reference.rope import rope_reference
+from kernels.triton.mla_cache import mla_rope_cache_write_
 from kernels.triton.rmsnorm import rmsnorm
 from kernels.triton.rope import apply_rope_
 from tests.kernels._helpers import DEVICE, gpu_only, rel_err
@@ -46,6 +47,31 @@ def test_rope_in_place_on_a_slice(interleaved, t, h, r):
     apply_rope_(q, k, pos, cos, sin, interleaved)
     assert torch.equal(q_full[..., :16], nope_before)
     assert rel_err(q, q_ref) < 1e-2 and rel_err(k, k_ref) < 1e-2
+
+
+@pytest.mark.parametrize("interleaved", [True, False])
+@pytest.mark.parametrize("t,h,kvl,r", [(3, 4, 32, 16), (2, 16, 512, 64)])
+def test_mla_rope_cache_write_equals_norm_rope_and_index_copy(interleaved, t, h, kvl, r):
+    q_full, _, pos, cos, sin = _rope_case(t, h, r, seed=t + kvl)
+    g = torch.Generator().manual_seed(kvl)
+    kv = torch.randn(t, kvl + r, generator=g).bfloat16().to(DEVICE)
+    w = (1 + 0.1 * torch.randn(kvl, generator=g)).bfloat16().to(DEVICE)
+    cache = torch.full((4, 8, kvl + r), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    slots = torch.randperm(32, generator=g)[:t].to(DEVICE)
+    q = q_full[..., 16:]
+    q_ref = rope_reference(q, pos, cos, sin, interleaved)
+    k_ref = rope_reference(kv[:, None, kvl:], pos, cos, sin, interleaved)[:, 0]
+    entry_ref = torch.cat((rmsnorm_reference(kv[:, :kvl], w, 1e-6), k_ref.to(kv.dtype)), -1)
+    kv_before = kv.clone()
+    mla_rope_cache_write_(q, kv, pos, cos, sin, interleaved, w, 1e-6, cache.view(-1, kvl + r),
+                          slots)  # fmt: skip
+    rows = cache.view(-1, kvl + r)[slots]
+    assert rel_err(q, q_ref) < 1e-2
+    assert rel_err(rows, entry_ref) < 1e-2
+    assert torch.equal(kv, kv_before)
+    untouched = torch.ones(32, dtype=torch.bool, device=DEVICE)
+    untouched[slots] = False
+    assert torch.isnan(cache.view(-1, kvl + r)[untouched]).all()
 
 
 @pytest.mark.gpu
