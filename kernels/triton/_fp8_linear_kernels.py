@@ -108,3 +108,21 @@ def act_quant_kernel(
     q = f32_to_e4m3_bits(q).to(tl.float8e4nv, bitcast=True)
     tl.store(q_ptr + row * stride_qm + offs, q, mask=mask)
     tl.store(s_ptr + row * stride_sm + kb, s)
+
+
+@triton.jit
+def splitk_reduce_kernel(
+    part_ptr,  # [SPLIT, M*N] float32 partial products
+    y_ptr,  # [M*N] out, the activation dtype
+    numel,
+    SPLIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """y = sum over the split of the partials, cast once: one launch where torch's
+    sum-then-cast took two."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)

@@ -7,8 +7,8 @@ never writes a bf16 weight to memory; it runs on any GPU Triton supports (Ampere
 multiplies E4M3 x E4M3 on the tensor cores, behind the same call.
 
 Decode shapes (small M) are bandwidth-bound: the grid splits N and, when N alone gives too
-few programs to keep every SM streaming, also K (float32 partials summed afterwards, so the
-result is deterministic).
+few programs to keep every SM streaming, also K (float32 partials summed and cast by one
+small launch afterwards, so the result is deterministic).
 """
 
 from __future__ import annotations
@@ -18,7 +18,11 @@ import triton
 
 from kernels.triton import configs
 from kernels.triton._common import check_device, interpreting
-from kernels.triton._fp8_linear_kernels import act_quant_kernel, fp8_block_linear_kernel
+from kernels.triton._fp8_linear_kernels import (
+    act_quant_kernel,
+    fp8_block_linear_kernel,
+    splitk_reduce_kernel,
+)
 
 OP = "fp8_linear"
 
@@ -123,5 +127,8 @@ def fp8_block_linear(
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )  # fmt: skip
     if split > 1:
-        y = out.sum(dim=0).to(x.dtype)
+        numel = m * n
+        splitk_reduce_kernel[(triton.cdiv(numel, 1024),)](
+            out, y, numel, SPLIT=split, BLOCK=1024, num_warps=4
+        )
     return y.reshape(*lead, n)
