@@ -61,6 +61,10 @@ class ModelSpec(_Section):
     dtype: str = "auto"
     kv_cache_memory: int | None = Field(None, ge=1, description="bytes for the KV cache")
     max_model_len: int | None = Field(None, ge=2, description="cap the model's context")
+    # Routing statistics for MoE models (distinct experts read per step, per cluster in the
+    # report). None: on for MoE models on the CPU, where it costs little; on a GPU it makes
+    # decode steps run eagerly instead of replaying CUDA graphs, so it is opt-in there.
+    record_routing: bool | None = None
 
 
 class SamplingSpec(_Section):

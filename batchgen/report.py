@@ -122,7 +122,27 @@ def _per_cluster(run_dir: RunDir, labels: dict[int, str] | None) -> list[dict]:
         for p in throughput_timeline(run_dir)
         if p["part"] in live
     ]
-    return cluster_section(run_dir.path / "clusters", parts, labels)
+    table = cluster_section(run_dir.path / "clusters", parts, labels)
+    experts = routing_by_cluster(run_dir)
+    for row in table:
+        row["mean_distinct_experts"] = experts.get(row["cluster_id"])
+    return table
+
+
+def routing_by_cluster(run_dir: RunDir) -> dict:
+    """Mean distinct experts per MoE layer per decode step, per cluster and overall (key
+    "all"), merged over the sessions' routing files (MoE models only; empty otherwise).
+    A decode step counts for the cluster that dominated its batch."""
+    sums: dict = defaultdict(lambda: [0.0, 0])
+    for path in sorted((run_dir.path / "routing").glob("*.json")):
+        summary = json.loads(path.read_text())
+        parts = [("all", summary.get("decode", {}))]
+        parts += [(int(g), s) for g, s in summary.get("decode_by_group", {}).items()]
+        for key, stats in parts:
+            if stats.get("steps"):
+                sums[key][0] += stats["mean_distinct_experts"] * stats["steps"]
+                sums[key][1] += stats["steps"]
+    return {key: round(total / steps, 2) for key, (total, steps) in sums.items() if steps}
 
 
 def build_report(
@@ -146,6 +166,7 @@ def build_report(
         "throughput": throughput_timeline(run_dir),
         "cluster_names": {str(k): v for k, v in (labels or {}).items()},
         "per_cluster": _per_cluster(run_dir, labels),
+        "mean_distinct_experts": routing_by_cluster(run_dir).get("all"),
         "generated": time.time(),
     }
     timeline = report["throughput"]
@@ -223,17 +244,24 @@ def render_markdown(report: dict) -> str:
             "### Per cluster",
             "",
             "| cluster | name | planned rows | rows done | prompt tokens | output tokens "
-            "| output tok/s |",
-            "|---|---|---|---|---|---|---|",
+            "| output tok/s | distinct experts / layer / step |",
+            "|---|---|---|---|---|---|---|---|",
         ]
         for c in report["per_cluster"]:
             cluster = "-" if c["cluster_id"] is None else c["cluster_id"]
             size = "-" if c["size"] is None else f"{c['size']:,}"
             rate = "-" if c["output_tok_s"] is None else c["output_tok_s"]
+            experts = c.get("mean_distinct_experts")
             lines.append(
                 f"| {cluster} | {c['name']} | {size} | {c['rows']:,} | {c['prompt_tokens']:,} "
-                f"| {c['completion_tokens']:,} | {rate} |"
+                f"| {c['completion_tokens']:,} | {rate} | {'-' if experts is None else experts} |"
             )
+    if report.get("mean_distinct_experts") is not None:
+        lines += [
+            "",
+            f"MoE routing: {report['mean_distinct_experts']} distinct experts per layer per "
+            "decode step on average (a step counts for the cluster that dominated its batch).",
+        ]
     lines += [
         "",
         "## Resume",

@@ -9,6 +9,7 @@ until the error budget is spent.
 from __future__ import annotations
 
 import hashlib
+import json
 import logging
 import signal
 import threading
@@ -63,6 +64,27 @@ def load_llm(job: JobSpec):
     if job.batching.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = job.batching.max_num_batched_tokens
     return LLM(**kwargs)
+
+
+def start_routing_stats(job: JobSpec, llm) -> bool:
+    """Record routing statistics when the job asks for them, or by default for MoE models
+    on the CPU. False when the model has no routed experts."""
+    wanted = job.model.record_routing
+    if wanted is None:
+        runner = getattr(getattr(llm, "engine", None), "runner", None)
+        wanted = runner is not None and runner.device.type == "cpu"
+    return bool(wanted) and hasattr(llm, "record_routing") and llm.record_routing(True)
+
+
+def save_routing_stats(run_dir: RunDir, session: str, summary: dict | None) -> None:
+    """One file per session (a resumed run adds its own); the report merges them."""
+    if summary is None:
+        return
+    path = run_dir.path / "routing" / f"{session}.json"
+    path.parent.mkdir(exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    tmp.write_text(json.dumps(summary, default=str))
+    tmp.replace(path)
 
 
 def make_renderer(ctx: JobContext, llm) -> PromptRenderer:
@@ -275,6 +297,7 @@ def run_job(
     log_cluster_mode(job.batching)
     if llm is None:
         llm = load_llm(job)
+    recording = start_routing_stats(job, llm)
     renderer = make_renderer(ctx, llm)
 
     session = new_session_id()
@@ -319,6 +342,8 @@ def run_job(
     finally:
         progress.finish(stats)
 
+    if recording:
+        save_routing_stats(run_dir, session, llm.routing_stats())
     # Count from the manifest, so the verdict covers every session of this run.
     done_ids, ok_rows, error_rows = committed_ids(run_dir)
     complete = len(done_ids) == ctx.total_rows
