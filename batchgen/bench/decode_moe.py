@@ -27,6 +27,7 @@ transformers, click; not the pipeline's polars/pydantic).
 
 from __future__ import annotations
 
+import collections
 import gc
 import shutil
 import statistics
@@ -168,7 +169,10 @@ def profile_decode_step(llm, prompt_len: int, vocab: int) -> dict:
             t0 = time.perf_counter()
             engine.step()
             walls.append(time.perf_counter() - t0)
+        names = collections.Counter(e.name[:60] for e in kernels)
         out[mode] = {
+            # what is left to fuse: the most frequent kernels of a step, per step
+            "top_kernels": {n: c / steps for n, c in names.most_common(16)},
             "device_kernels_per_step": len(kernels) / steps,
             "host_kernel_launches_per_step": len(launches) / steps,
             "graph_launches_per_step": len(graph_launches) / steps,

@@ -46,6 +46,7 @@ class MoeCase:
 MOE_CASES = [
     MoeCase("moonlight-bf16", 2048, 1408, 64, 6, "bf16", (1, 2, 4, 8, 16, 32, 64)),
     MoeCase("moonlight-fp8", 2048, 1408, 64, 6, "fp8", (1, 8, 64)),
+    MoeCase("moonlight-mxfp4", 2048, 1408, 64, 6, "mxfp4", (1, 8, 64)),
     MoeCase("deepseek-v3-fp8", 7168, 2048, 256, 8, "fp8", (1, 4, 8, 32, 64)),
     MoeCase("v4-flash-mxfp4", 4096, 2048, 256, 6, "mxfp4", (1, 4, 8, 32, 64)),
 ]
@@ -138,21 +139,23 @@ def _cycle(calls: list):
     return lambda: next(it)()
 
 
-def bench_moe(case: MoeCase, copy_bps: float, device, tune: bool) -> tuple[list[dict], dict]:
+def bench_moe(
+    case: MoeCase, copy_bps: float, device, tune: bool, tokens: tuple[int, ...] = ()
+) -> tuple[list[dict], dict]:
     from kernels.reference.fused_moe import fused_moe_reference
     from kernels.triton.fused_moe import default_config, fused_moe, shape_key
 
     weights = make_moe_weights(case, device)
     per_expert = _expert_bytes(case, *weights)
     rows, tuned = [], {}
-    for t in case.tokens:
+    for t in tokens or case.tokens:
         x = torch.randn(t, case.d, device=device, dtype=torch.bfloat16)
         routings = _routings(case, t, device)
         distinct = sum(torch.unique(ids).numel() for _, ids in routings) / len(routings)
         nbytes = distinct * per_expert + t * case.d * 2 * 2  # + x read, out written
         cfg = default_config(t * case.top_k, case.e, case.fmt)
         if tune and t <= TUNE_MAX_TOKENS:
-            cands = _moe_candidates(cfg)
+            cands = _mxfp4_candidates(cfg) if case.fmt == "mxfp4" else _moe_candidates(cfg)
             cfg = _tune(lambda c, x=x, r=routings: graphed(
                 _moe_calls(fused_moe, x, weights, r, fmt=case.fmt, config=c)), cands)  # fmt: skip
             tuned[shape_key(t, case.top_k, case.e, case.d, case.i, case.fmt)] = cfg
@@ -219,6 +222,16 @@ def _moe_candidates(base: dict) -> list[dict]:
     return out
 
 
+def _mxfp4_candidates(base: dict) -> list[dict]:
+    """MXFP4: the K step (32-wide scale groups per step) matters more than the stages."""
+    out = [base]
+    for bk, bn in itertools.product((32, 64, 128), (32, 64)):
+        cand = dict(base, BLOCK_K=bk, BLOCK_N=bn, num_stages=4, num_warps=4)
+        if cand != base:
+            out.append(cand)
+    return out
+
+
 def _linear_candidates(m: int, base: dict) -> list[dict]:
     out = [base]
     if m <= 32:
@@ -258,8 +271,16 @@ def print_rows(rows: list[dict]) -> None:
               f"{r['speedup_vs_torch']:6.1f}")  # fmt: skip
 
 
-def run(tune: bool = False, tuned_dir: Path | None = None, only: str = "") -> dict:
-    """Run every case (or those whose name contains `only`); returns the JSON payload."""
+def run(
+    tune: bool = False,
+    tuned_dir: Path | None = None,
+    only: str = "",
+    tokens: tuple[int, ...] = (),
+    linear: bool = True,
+) -> dict:
+    """Run every case (or those whose name contains `only`; MoE token counts `tokens` instead
+    of each case's own; no FP8 linear rows with linear=False); returns the JSON payload.
+    Tuned configs are merged into the committed tables before they are written."""
     if not torch.cuda.is_available():
         raise click.ClickException("bench kernels needs a CUDA GPU")
     device = torch.device("cuda")
@@ -269,10 +290,10 @@ def run(tune: bool = False, tuned_dir: Path | None = None, only: str = "") -> di
     for case in MOE_CASES:
         if only and only not in case.name:
             continue
-        r, t = bench_moe(case, copy_bps, device, tune)
+        r, t = bench_moe(case, copy_bps, device, tune, tokens)
         rows += r
         tables["fused_moe"].update(t)
-    for n, k in LINEAR_SHAPES:
+    for n, k in LINEAR_SHAPES if linear else ():
         if only and only not in f"linear {n}x{k}":
             continue
         r, t = bench_linear(n, k, copy_bps, device, tune)
@@ -280,14 +301,16 @@ def run(tune: bool = False, tuned_dir: Path | None = None, only: str = "") -> di
         tables["fp8_linear"].update(t)
     print_table(copy_bps, rows)
     if tune and tuned_dir is not None:
-        from kernels.triton.configs import device_key
+        from kernels.triton.configs import CONFIG_DIR, device_key
 
         tuned_dir.mkdir(parents=True, exist_ok=True)
         for op, table in tables.items():
-            if table:
-                (tuned_dir / f"{op}.json").write_text(
-                    json.dumps({device_key(device): table}, indent=1)
-                )
+            if not table:
+                continue
+            committed = CONFIG_DIR / f"{op}.json"
+            merged = json.loads(committed.read_text()) if committed.exists() else {}
+            merged.setdefault(device_key(device), {}).update(table)
+            (tuned_dir / f"{op}.json").write_text(json.dumps(merged, indent=1) + "\n")
     return {"copy_tb_s": copy_bps / 1e12, "tuned": tune, "results": rows}
 
 
@@ -296,10 +319,15 @@ def run(tune: bool = False, tuned_dir: Path | None = None, only: str = "") -> di
 @click.option("--tuned-dir", type=click.Path(path_type=Path), default=None,
               help="Where --tune writes fused_moe.json / fp8_linear.json.")  # fmt: skip
 @click.option("--only", default="", help="Run only cases whose name contains this.")
+@click.option("--tokens", default="", help="MoE token counts, e.g. 1,8,64 (default: per case).")
+@click.option("--no-linear", is_flag=True, help="Skip the FP8 linear rows.")
 @click.option("--name", default="kernels-h200", show_default=True, help="JSON file name.")
-def command(tune: bool, tuned_dir: Path | None, only: str, name: str) -> None:
+def command(
+    tune: bool, tuned_dir: Path | None, only: str, tokens: str, no_linear: bool, name: str
+) -> None:
     """Fused MoE and FP8 linear: GB/s and % of copy bandwidth, vs plain torch."""
-    payload = run(tune=tune, tuned_dir=tuned_dir, only=only)
+    counts = tuple(int(v) for v in tokens.split(",") if v.strip())
+    payload = run(tune=tune, tuned_dir=tuned_dir, only=only, tokens=counts, linear=not no_linear)
     path = write_result(name, payload)
     click.echo(f"wrote {path}")
 

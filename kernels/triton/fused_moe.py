@@ -73,7 +73,9 @@ def default_config(num_pairs: int, num_experts: int, fmt: str) -> dict:
         block_m, block_n, warps, stages = 32, 64, 4, 3
     else:
         block_m, block_n, warps, stages = 64, 128, 8, 3
-    block_k = {"bf16": 64, "fp8": 128, "mxfp4": 32}[fmt]
+    # MXFP4: four 32-wide scale groups per K step at decode tiles (more bytes in flight,
+    # a quarter of the loop steps); two on larger tiles, where registers run short.
+    block_k = {"bf16": 64, "fp8": 128, "mxfp4": 128 if block_m == 16 else 64}[fmt]
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 num_warps=warps, num_stages=stages)  # fmt: skip
 

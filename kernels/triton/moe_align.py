@@ -25,6 +25,10 @@ import triton.language as tl
 from kernels.triton._common import check_device, next_pow2
 
 ZERO_BLOCK = 4096  # float32 elements zeroed per extra program
+# One program loops over the pairs (~0.2 us per chunk of 128): a few us at decode sizes,
+# but a prefill of thousands of tokens would take a millisecond per layer there, where the
+# torch chain's fixed ~20 launches are cheaper.
+KERNEL_MAX_PAIRS = 4096
 
 
 @dataclass
@@ -109,14 +113,18 @@ def moe_align(
     block_m: int,
     zero: torch.Tensor | None = None,
 ) -> MoeAlignment:
-    """topk_ids [T, A] (any int dtype, values in [0, E)) -> MoeAlignment, in one launch.
-    `zero` (a contiguous float32 tensor, e.g. the combine's accumulator) is zeroed by the
-    same launch."""
+    """topk_ids [T, A] (any int dtype, values in [0, E)) -> MoeAlignment, in one launch
+    (the torch twin above KERNEL_MAX_PAIRS pairs). `zero` (a contiguous float32 tensor,
+    e.g. the combine's accumulator) is zeroed by the same launch."""
     assert topk_ids.dim() == 2, f"topk_ids must be [T, A], got {list(topk_ids.shape)}"
     assert zero is None or (zero.dtype == torch.float32 and zero.is_contiguous()), (
         "zero must be a contiguous float32 tensor"
     )
     check_device(topk_ids)
+    if topk_ids.numel() > KERNEL_MAX_PAIRS:
+        if zero is not None:
+            zero.zero_()
+        return moe_align_torch(topk_ids, num_experts, block_m)
     device = topk_ids.device
     flat = topk_ids.reshape(-1)  # [P]
     if not flat.is_contiguous():

@@ -46,7 +46,8 @@ def test_moe_align_groups_every_pair_once():
 
 
 @pytest.mark.parametrize(
-    "t,a,e,block_m", [(1, 6, 64, 16), (7, 3, 5, 4), (40, 6, 64, 16), (70, 8, 256, 64)]
+    "t,a,e,block_m",
+    [(1, 6, 64, 16), (7, 3, 5, 4), (40, 6, 64, 16), (70, 8, 256, 64), (700, 6, 64, 64)],
 )
 def test_moe_align_kernel_equals_torch_twin_and_zeroes(t, a, e, block_m):
     g = torch.Generator().manual_seed(t * 7 + e)
