@@ -187,24 +187,20 @@ def open_gguf_file(
         tensor_types[hf_name(t.name)] = qtype
 
     keep_blocks = dtype is None
-    embed_type = tensor_types["model.embed_tokens.weight"]
-    # A tied head whose embedding is quantized: the embedding goes out dequantized (for
-    # the lookup) and its blocks again as lm_head.weight, so the head stays small. The
-    # config then says untied, which is what the model must build.
-    split_tied_head = keep_blocks and config["tie_word_embeddings"] and embed_type in BLOCK_TYPES
-    if split_tied_head:
-        config["tie_word_embeddings"] = False
-    if keep_blocks:
-        linear_types = {
-            n.removesuffix(".weight"): q
-            for n, q in tensor_types.items()
-            if q in BLOCK_TYPES and n != "model.embed_tokens.weight"
-        }
-        if split_tied_head:
-            linear_types["lm_head"] = embed_type
-        quant_config = GGUFQuantConfig(linear_types, device)
-    else:
-        quant_config = NoQuant()
+    # The embedding is always yielded dequantized: a lookup reads a few rows, and when
+    # tied, the head multiplies by it in float (see GGUFQuantConfig on why heads stay float).
+    quant_config = (
+        GGUFQuantConfig(
+            {
+                n.removesuffix(".weight"): q
+                for n, q in tensor_types.items()
+                if q in BLOCK_TYPES and n != "model.embed_tokens.weight"
+            },
+            device,
+        )
+        if keep_blocks
+        else NoQuant()
+    )
 
     heads, kv_heads = config["num_attention_heads"], config["num_key_value_heads"]
 
@@ -215,10 +211,7 @@ def open_gguf_file(
             tensor = _as_torch(t, qtype)
             is_embedding = name_hf == "model.embed_tokens.weight"
             if qtype in BLOCK_TYPES and (not keep_blocks or is_embedding):
-                blocks = tensor
-                tensor = dequantize_blocks(blocks, qtype)
-                if is_embedding and split_tied_head:
-                    yield "lm_head.weight", blocks
+                tensor = dequantize_blocks(tensor, qtype)
             elif qtype in FLOAT_TYPES and (dtype is not None or qtype == "F32"):
                 tensor = tensor.float()
             if ".self_attn.q_proj." in name_hf:

@@ -195,15 +195,14 @@ def test_unpermute_inverts_llama_cpp_permute():
         assert not torch.equal(torch.from_numpy(llama_cpp_permute(w, 2)), torch.from_numpy(w))
 
 
-def test_auto_dtype_keeps_blocks_and_splits_tied_head(tiny):
+def test_auto_dtype_keeps_blocks(tiny):
     path, tensors = tiny
     src = open_model_source(str(path))
-    assert src.config["tie_word_embeddings"] is False  # the head gets its own small copy
+    assert src.config["tie_word_embeddings"] is True
     assert isinstance(src.quant_config, GGUFQuantConfig)
     got = dict(src.iter_weights())
-    assert got["lm_head.weight"].dtype == torch.uint8
-    assert got["lm_head.weight"].shape == (96, 64 // 32 * 34)
-    assert got["model.embed_tokens.weight"].dtype == torch.float32
+    assert "lm_head.weight" not in got
+    assert got["model.embed_tokens.weight"].dtype == torch.float32  # for the lookup
     assert got["model.layers.0.mlp.up_proj.weight"].shape == (128, 64 // 32 * 20)
     assert got["model.layers.0.self_attn.q_proj.weight"].shape == (64, 64 // 32 * 18)
     assert got["model.layers.0.self_attn.o_proj.weight"].dtype == torch.float16
@@ -211,32 +210,42 @@ def test_auto_dtype_keeps_blocks_and_splits_tied_head(tiny):
     assert not isinstance(fmt, GGUFBlockFormat)
 
 
+@pytest.fixture(scope="module")
+def untied(tmp_path_factory):
+    path = tmp_path_factory.mktemp("untied") / "untied.gguf"
+    return write_tiny_gguf(path, hf_tensors(seed=4, tied=False))
+
+
 @pytest.mark.parametrize(
     "prefix",
     [
-        "lm_head",
+        "lm_head",  # Q8_0, kept float after loading
         "model.layers.1.self_attn.q_proj",  # Q4_0, permuted rows
         "model.layers.1.self_attn.k_proj",  # Q4_0, 32 rows
         "model.layers.0.self_attn.v_proj",  # Q8_0
         "model.layers.0.mlp.down_proj",  # Q4_1
     ],
 )
-def test_block_linear_layers_compute_the_file_weights(tiny, prefix):
-    path, tensors = tiny
-    src = open_model_source(str(path))
+def test_block_linear_layers_compute_the_file_weights(untied, prefix):
+    src = open_model_source(str(untied))
     raw = dict(src.iter_weights())[prefix + ".weight"]
-    exact = dict(open_model_source(str(path), dtype=torch.float32).iter_weights())
-    w = exact[prefix + ".weight" if prefix != "lm_head" else "model.embed_tokens.weight"]
+    assert raw.dtype == torch.uint8
+    w = dict(open_model_source(str(untied), dtype=torch.float32).iter_weights())[prefix + ".weight"]
     out_f, in_f = w.shape
     layer = Linear(in_f, out_f, quant_config=src.quant_config, prefix=prefix)
     assert isinstance(layer.format, GGUFBlockFormat)
     layer.weight.data.copy_(raw)
     torch.testing.assert_close(layer.format.dequantize(layer), w, rtol=0, atol=0)
     layer.process_weights_after_loading()
+    x = torch.randn(5, in_f, generator=torch.Generator().manual_seed(3))
+    if prefix == "lm_head":  # float logits: exact
+        assert layer.int4 is None and layer.weight.dtype == torch.float32
+        torch.testing.assert_close(layer.format.dequantize(layer), w, rtol=0, atol=0)
+        torch.testing.assert_close(layer(x), x @ w.t())
+        return
     assert (layer.int4 is not None) == int4_kernel_available()
     # kernel scales are bfloat16: each block's scale within 2^-8 relative
     torch.testing.assert_close(layer.format.dequantize(layer), w, rtol=2**-8, atol=1e-3)
-    x = torch.randn(5, in_f, generator=torch.Generator().manual_seed(3))
     torch.testing.assert_close(layer(x), x @ w.t(), rtol=0.02, atol=0.05)
 
 
