@@ -44,6 +44,10 @@ log = logging.getLogger(__name__)
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 MIN_DOT_K = 16  # tl.dot needs K >= 16; the decode kernel dots over the latent and rope widths
+# Tokens up to which the shared expert runs inside the fused MoE launches. H200, 2026-11-29,
+# with it fused at every size: decode steps got faster at batch 1 and 32, batch 256's did
+# not and prefill slowed, which its narrow DENSE tiles explain (not timed in isolation).
+SHARED_FUSED_MAX_TOKENS = 64
 
 
 # -- norms and dense linears ------------------------------------------------------------
@@ -106,9 +110,10 @@ def moe_forward(moe: DeepseekMoE, x: torch.Tensor) -> torch.Tensor:
     weights, ids = route(moe.gate.spec, logits, moe.gate.e_score_correction_bias)
     if moe.routing_recorder is not None:
         moe.routing_recorder.record(moe.layer_index, ids, moe.experts.bytes_per_expert())
-    # The fused kernels add the shared expert into the routed experts' accumulator (two
-    # launches instead of gate, up, silu, mul, down and the add).
-    shared = getattr(moe, "cuda_shared", None)
+    # At decode sizes the fused kernels add the shared expert into the routed experts'
+    # accumulator (two launches instead of gate, up, silu, mul, down and the add). Larger
+    # T is arithmetic, where cuBLAS's tiles beat the fused kernel's narrow DENSE ones.
+    shared = getattr(moe, "cuda_shared", None) if x.shape[0] <= SHARED_FUSED_MAX_TOKENS else None
     out = routed_experts(moe.experts, x, weights, ids, shared)
     if moe.shared_experts is not None and (shared is None or not _uses_kernels(moe.experts, x)):
         out = out + moe.shared_experts(x)

@@ -52,16 +52,11 @@ class SharedExpert:
 
 
 def dense_config(num_tokens: int, n: int, fmt: str) -> dict:
-    """Shared-expert launches: the narrowest N tile that still gives ~1 wave of programs
-    over the expert's rows at decode sizes (few rows, so bytes in flight come from many
-    programs), wider tiles once M fills them."""
-    block_m = 16 if num_tokens <= 16 else 32 if num_tokens <= 64 else 64
-    block_n = 16 if num_tokens <= 16 else 64 if num_tokens <= 64 else 128
-    if n // block_n < 64:
-        block_n = 16
+    """Shared-expert launches at decode sizes (the caller keeps larger T on cuBLAS): narrow
+    N tiles so a single expert's rows still spread over ~1 wave of programs."""
+    block_m, block_n = (16, 16) if num_tokens <= 16 else (32, 32)
     block_k = {"bf16": 64, "fp8": 128, "mxfp4": 64}[fmt]
-    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                num_warps=4, num_stages=4 if num_tokens <= 16 else 3)  # fmt: skip
+    return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4)
 
 
 def default_config(num_pairs: int, num_experts: int, fmt: str) -> dict:

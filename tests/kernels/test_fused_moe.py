@@ -31,7 +31,7 @@ def make_moe(t, d, i, e, a, fmt, seed, scale_dtype=torch.float32):
 
 
 def test_moe_align_groups_every_pair_once():
-    ids = torch.randint(0, 5, (7, 3), generator=torch.Generator().manual_seed(0))
+    ids = torch.randint(0, 5, (7, 3), generator=torch.Generator().manual_seed(0)).to(DEVICE)
     al = moe_align(ids, num_experts=5, block_m=4)
     flat = ids.flatten()
     real = al.sorted_pairs[al.sorted_pairs < al.num_pairs].long()
