@@ -7,6 +7,7 @@ import torch
 
 from kernels.cpu.quant_matmul import (
     Int4Weight,
+    int4_dense,
     int4_dequantize,
     int4_kernel_available,
     int4_matmul,
@@ -27,7 +28,7 @@ def random_int4(seed: int, n: int, k: int, gs: int = 32):
 
 
 @pytest.mark.parametrize("n,k", [(16, 32), (48, 96), (192, 576)])
-@pytest.mark.parametrize("m", [1, 3, 17])
+@pytest.mark.parametrize("m", [1, 3, 17, 130])  # 130: the decode-to-bf16 path
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_int4_matmul_matches_reference(n, k, m, dtype):
     q, scale, zero = random_int4(n * k + m, n, k)
@@ -62,6 +63,18 @@ def test_int8_groups_as_int4_rebuilds_int8_blocks():
     torch.testing.assert_close(
         hi + lo, (q8.float() * d[..., None]).reshape(32, 96), rtol=1e-6, atol=1e-5
     )
+
+
+@pytest.mark.parametrize("n,k", [(64, 32), (192, 576)])
+def test_decoded_weight_matches_the_kernel_weight(n, k):
+    q, scale, zero = random_int4(n + k, n, k)
+    w = Int4Weight.pack(q, scale, zero)
+    assert w.unpackable  # the probed packing layout still holds on this torch
+    exact = int4_dequantize(w)
+    # decoded in bfloat16 arithmetic: (q - 8) s + z rounds twice, near-zero values lose
+    # their relative precision, so the bound is absolute at the weight's scale
+    bound = 2**-7 * exact.abs().max()
+    assert (int4_dense(w).float() - exact).abs().max() <= bound
 
 
 def test_shapes_the_kernel_cannot_take_are_refused():
