@@ -28,7 +28,7 @@ class AttentionContext:
     # more than the attention itself at small batch).
     _cache: dict = field(default_factory=dict, repr=False)
 
-    def shared(self, key: str, make):
+    def shared(self, key, make):
         value = self._cache.get(key)
         if value is None:
             value = self._cache[key] = make()

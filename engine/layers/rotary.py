@@ -106,13 +106,22 @@ class RotaryEmbedding(nn.Module):
         self.interleaved = interleaved
         inv_freq, self.attention_factor = compute_inv_freq(params, dim, max_position_embeddings)
         self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # Layers with the same rope share one cos/sin per step (see forward's ctx).
+        self.share_key = ("rope", dim, self.attention_factor, *inv_freq[[0, -1]].tolist())
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dim/2]
         return freqs.cos() * self.attention_factor, freqs.sin() * self.attention_factor
 
-    def forward(self, positions: torch.Tensor, *xs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        cos, sin = self.cos_sin(positions)
+    def forward(
+        self, positions: torch.Tensor, *xs: torch.Tensor, ctx=None
+    ) -> tuple[torch.Tensor, ...]:
+        """With the step's AttentionContext, cos/sin are computed once per step for all
+        layers that share this rope."""
+        if ctx is None:
+            cos, sin = self.cos_sin(positions)
+        else:
+            cos, sin = ctx.shared(self.share_key, lambda: self.cos_sin(positions))
         return tuple(self.rotate(x, cos, sin) for x in xs)
 
     def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:

@@ -13,7 +13,6 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.activation import silu_and_mul
 from engine.layers.attention import paged_attention, write_kv
 from engine.layers.attention_context import AttentionContext
 from engine.layers.linear import Linear
@@ -78,7 +77,7 @@ class LlamaAttention(nn.Module):
         q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k)
+        q, k = self.rotary(positions, q, k, ctx=ctx)
         write_kv(self.kv_cache, ctx, k, v)
         out = paged_attention(q, self.kv_cache, ctx, self.scale)  # [T, H, Dh]
         return self.o_proj(out.reshape(T, -1))
@@ -93,8 +92,7 @@ class LlamaMLP(nn.Module):
         self.down_proj = Linear(I, D, cfg.mlp_bias, quant, f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate_up = torch.cat((self.gate_proj(x), self.up_proj(x)), dim=-1)  # [T, 2I]
-        return self.down_proj(silu_and_mul(gate_up))
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, I] -> [T, D]
 
 
 class LlamaDecoderLayer(nn.Module):
