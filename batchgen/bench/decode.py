@@ -162,9 +162,13 @@ def bench_decode(
     if llm.tokenizer is None:
         raise click.ClickException(f"{model} has no tokenizer; the benchmark renders text prompts")
     source = llm.engine.runner.source
-    formats = sorted(
-        {m.format.name for m in llm.engine.runner.model.modules() if hasattr(m, "format")}
-    )
+    model_obj = llm.engine.runner.model
+    formats = sorted({m.format.name for m in model_obj.modules() if hasattr(m, "format")})
+    head = getattr(model_obj, "lm_head", None)
+    if head is None:
+        head_desc = f"tied embedding ({model_obj.model.embed_tokens.weight.dtype})"
+    else:
+        head_desc = getattr(getattr(head, "format", None), "name", type(head).__name__)
     run_engine(llm, prompt_ids(llm.tokenizer, 1), 4)  # warm-up: first-call allocations
     rows = []
     for batch in batches:
@@ -192,6 +196,7 @@ def bench_decode(
         "dtype": dtype,
         "threads": torch.get_num_threads(),
         "weight_formats": formats,
+        "lm_head": head_desc,
         "load_s": round(load_s, 2),
         "results": rows,
     }
@@ -200,7 +205,7 @@ def bench_decode(
 def print_table(payload: dict) -> None:
     click.echo(
         f"\n{payload['model']} on {payload['device']} ({payload['threads']} threads), "
-        f"formats: {', '.join(payload['weight_formats'])}"
+        f"formats: {', '.join(payload['weight_formats'])}, head: {payload['lm_head']}"
     )
     header = f"{'engine':<14}{'batch':>6}{'tok/s':>10}{'decode tok/s':>14}{'prefill s':>11}"
     click.echo(header)
