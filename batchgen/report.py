@@ -5,6 +5,7 @@ can rebuild it for any run, finished or not."""
 from __future__ import annotations
 
 import json
+import logging
 import time
 from collections import Counter, defaultdict
 from pathlib import Path
@@ -282,6 +283,8 @@ def render_png(report: dict, path: Path) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
+    # matplotlib logs chart-axis notes at INFO; they are noise in a run's log
+    logging.getLogger("matplotlib").setLevel(logging.WARNING)
     import matplotlib.pyplot as plt
 
     fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(11, 4))
