@@ -12,31 +12,10 @@ from __future__ import annotations
 
 import torch
 
-FP8_BLOCK = 128
-MXFP4_GROUP = 32
-E2M1_VALUES = (
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
-)
-
-
-def e8m0_to_float(s: torch.Tensor) -> torch.Tensor:
-    """E8M0 bytes to float32 powers of two."""
-    return torch.pow(2.0, s.to(torch.float32) - 127.0)
+from kernels.formats.e8m0 import e8m0_to_float
+from kernels.formats.fp8 import BLOCK as FP8_BLOCK
+from kernels.formats.mxfp4 import GROUP as MXFP4_GROUP
+from kernels.formats.mxfp4 import e2m1_table, unpack_fp4
 
 
 def block_scales_float(scale: torch.Tensor) -> torch.Tensor:
@@ -58,12 +37,11 @@ def dequant_fp8_block(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """[..., N, K/2] uint8 nibbles with [..., N, K/32] E8M0 scales -> float32 [..., N, K]."""
-    table = torch.tensor(E2M1_VALUES, dtype=torch.float32, device=packed.device)
-    lo = (packed & 0xF).long()
-    hi = (packed >> 4).long()
-    codes = torch.stack((lo, hi), dim=-1).flatten(-2)  # [..., N, K]: even k first
-    values = table[codes]
+    """[..., N, K/2] uint8 nibbles with [..., N, K/32] E8M0 scales -> float32 [..., N, K].
+
+    Unlike kernels.formats.mxfp4.dequantize_mxfp4 (one 2-D weight, a row range), this takes
+    stacked experts: any leading dimensions."""
+    values = e2m1_table(packed.device)[unpack_fp4(packed).long()]  # [..., N, K]
     s = e8m0_to_float(scale).repeat_interleave(MXFP4_GROUP, dim=-1)
     return values * s
 
