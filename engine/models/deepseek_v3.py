@@ -35,7 +35,11 @@ from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
 from engine.layers.swiglu_mlp import SwiGluMlp
 from engine.models.base import CacheSpec, CausalLM
-from engine.models.weights import CheckpointMismatch
+from engine.models.weights import (
+    CheckpointMismatch,
+    raise_on_mismatch,
+    run_after_loading_hooks,
+)
 from engine.quant.base import QuantConfig
 from engine.quant.deepseek_quant_config import DeepseekQuantConfig
 
@@ -458,17 +462,8 @@ class _StrictLoader:
                 head, leaf = name.rsplit(".", 1)
                 owner, proj = head.rsplit(".", 1)
                 missing += [f"{owner}.{e}.{proj}.{leaf}" for e in range(count) if e not in done]
-        problems = []
-        if missing:
-            problems.append(f"missing tensors: {_fmt([_ckpt_name(model, n) for n in missing])}")
-        if self.unexpected:
-            problems.append(f"unexpected tensors: {_fmt(self.unexpected)}")
-        if problems:
-            raise CheckpointMismatch("checkpoint does not match the model; " + "; ".join(problems))
-        for module in model.modules():
-            hook = getattr(module, "process_weights_after_loading", None)
-            if callable(hook) and module is not model:
-                hook()
+        raise_on_mismatch([_ckpt_name(model, n) for n in missing], self.unexpected)
+        run_after_loading_hooks(model)
 
 
 def _ckpt_name(model: DeepseekV3ForCausalLM, name: str) -> str:
@@ -477,11 +472,6 @@ def _ckpt_name(model: DeepseekV3ForCausalLM, name: str) -> str:
     if m:
         return f"model.layers.{model.config.num_hidden_layers + int(m.group(1))}.{m.group(3)}"
     return name
-
-
-def _fmt(names: list[str], limit: int = 20) -> str:
-    shown = ", ".join(sorted(names)[:limit])
-    return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
 _QUANT_STORAGE = {torch.uint8, torch.float8_e4m3fn}

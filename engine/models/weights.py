@@ -17,6 +17,27 @@ def _fmt(names: list[str], limit: int = 20) -> str:
     return shown + (f", ... ({len(names)} in all)" if len(names) > limit else "")
 
 
+def raise_on_mismatch(missing: list[str], unexpected: list[str]) -> None:
+    """Raise CheckpointMismatch naming the missing and the unexpected checkpoint tensors
+    (the first 20 of each, sorted), if there are any."""
+    problems = []
+    if missing:
+        problems.append(f"missing tensors: {_fmt(missing)}")
+    if unexpected:
+        problems.append(f"unexpected tensors: {_fmt(unexpected)}")
+    if problems:
+        raise CheckpointMismatch("checkpoint does not match the model; " + "; ".join(problems))
+
+
+def run_after_loading_hooks(model: nn.Module) -> None:
+    """Call each submodule's process_weights_after_loading (repacking, fused views), once
+    every tensor is in place."""
+    for sub in model.modules():
+        hook = getattr(sub, "process_weights_after_loading", None)
+        if callable(hook) and sub is not model:
+            hook()
+
+
 def load_strict(
     module: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
@@ -55,14 +76,5 @@ def load_strict(
             target.copy_(tensor)
         filled.add(name)
     missing = [n for n in targets if n not in filled and not optional(n)]
-    problems = []
-    if missing:
-        problems.append(f"missing tensors: {_fmt(missing)}")
-    if unexpected:
-        problems.append(f"unexpected tensors: {_fmt(unexpected)}")
-    if problems:
-        raise CheckpointMismatch("checkpoint does not match the model; " + "; ".join(problems))
-    for sub in module.modules():
-        hook = getattr(sub, "process_weights_after_loading", None)
-        if callable(hook) and sub is not module:
-            hook()
+    raise_on_mismatch(missing, unexpected)
+    run_after_loading_hooks(module)
