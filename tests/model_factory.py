@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from batchgen.bench.tiny_llama import train_bpe_tokenizer
+
 CORPUS = [
     "the quick brown fox jumps over the lazy dog",
     "translate into french: good morning, how are you today?",
@@ -18,23 +20,18 @@ CORPUS = [
 
 def make_tokenizer(out: Path, vocab_size: int = 320):
     """A small byte-level BPE tokenizer (every string encodes) saved for AutoTokenizer."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
+    fast = train_bpe_tokenizer(
+        CORPUS * 4,
         vocab_size=vocab_size,
-        special_tokens=["<s>", "</s>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-        show_progress=False,
-    )
-    tok.train_from_iterator(CORPUS * 4, trainer)
-    fast = PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
-    fast.chat_template = (
-        "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
-        "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+        special_tokens=("<s>", "</s>"),
+        bos_token="<s>",
+        eos_token="</s>",
+        unk_token=None,
+        pad_token=None,
+        chat_template=(
+            "{% for m in messages %}<s>{{ m['role'] }}: {{ m['content'] }}\n{% endfor %}"
+            "{% if add_generation_prompt %}<s>assistant:{% endif %}"
+        ),
     )
     fast.save_pretrained(out)
     return fast

@@ -21,6 +21,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from batchgen.bench.common import write_result
+from batchgen.bench.tiny_llama import write_tiny_llama
 
 _KV_BYTES = 64 * 2**20
 _WORDS = ["invoice", "meeting", "shipment", "budget", "contract", "customer", "report", "team"]
@@ -38,45 +39,6 @@ def write_input(path: Path, rows: int, chunk: int = 100_000) -> None:
                 for i in range(start, start + n)
             ]
             writer.write_table(pa.table({"id": ids, "text": texts}, schema=schema))
-
-
-def build_tiny_checkpoint(out: Path) -> Path:
-    """A random 2-layer llama with a byte-level BPE tokenizer and a chat template."""
-    import torch
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import LlamaConfig, LlamaForCausalLM, PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator([f"Please check the {w} for the team." for w in _WORDS] * 20, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok, bos_token="<|im_start|>", eos_token="<|im_end|>"
-    )
-    fast.chat_template = (
-        "{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-        "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-    )
-    fast.save_pretrained(out)
-    config = LlamaConfig(
-        vocab_size=len(fast),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=fast.bos_token_id,
-        eos_token_id=fast.eos_token_id,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
 
 
 class PeakRSS:
@@ -121,7 +83,8 @@ def command(rows: int, max_num_seqs: int, workdir: str | None) -> None:
     t0 = time.time()
     write_input(data, rows)
     click.echo(f"input: {rows:,} rows written in {time.time() - t0:.1f}s -> {data}")
-    model_dir = build_tiny_checkpoint(base / "tiny-llama")
+    corpus = [f"Please check the {w} for the team." for w in _WORDS] * 20
+    model_dir = write_tiny_llama(base / "tiny-llama", corpus)
     job = parse_job(
         {
             "input": {"path": str(data), "id_column": "id"},

@@ -14,13 +14,8 @@ import pyarrow.parquet as pq
 import pytest
 import yaml
 
+from batchgen.bench.tiny_llama import train_bpe_tokenizer, write_tiny_llama
 from engine.outputs import CompletionOutput, RequestOutput
-
-CHAT_TEMPLATE = (
-    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n"
-    "{{ message['content'] }}<|im_end|>\n{% endfor %}"
-    "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
-)
 
 _CORPUS = [
     "Translate the following sentence into French.",
@@ -34,53 +29,13 @@ _CORPUS = [
 
 def build_hf_tokenizer():
     """A byte-level BPE tokenizer (any unicode encodes) with a ChatML chat template."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
-    from transformers import PreTrainedTokenizerFast
-
-    tok = Tokenizer(models.BPE())
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=512,
-        special_tokens=["<|endoftext|>", "<|im_start|>", "<|im_end|>"],
-        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
-    )
-    tok.train_from_iterator(_CORPUS * 20, trainer)
-    fast = PreTrainedTokenizerFast(
-        tokenizer_object=tok,
-        bos_token="<|im_start|>",
-        eos_token="<|im_end|>",
-        unk_token="<|endoftext|>",
-        pad_token="<|endoftext|>",
-    )
-    fast.chat_template = CHAT_TEMPLATE
-    return fast
+    return train_bpe_tokenizer(_CORPUS * 20)
 
 
 @pytest.fixture(scope="session")
 def tiny_model_dir(tmp_path_factory) -> Path:
     """A random 2-layer llama in Hugging Face layout with its tokenizer (~1 MB)."""
-    import torch
-    from transformers import LlamaConfig, LlamaForCausalLM
-
-    out = tmp_path_factory.mktemp("tiny-llama")
-    tokenizer = build_hf_tokenizer()
-    tokenizer.save_pretrained(out)
-    config = LlamaConfig(
-        vocab_size=len(tokenizer),
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        max_position_embeddings=256,
-        bos_token_id=tokenizer.bos_token_id,
-        eos_token_id=tokenizer.eos_token_id,
-        tie_word_embeddings=False,
-    )
-    torch.manual_seed(0)
-    LlamaForCausalLM(config).save_pretrained(out)
-    return out
+    return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), _CORPUS * 20)
 
 
 class HFTokenizerAdapter:
