@@ -86,8 +86,11 @@ class ModelRunner:
                 f"kv_cache_memory of {budget} bytes holds fewer than 2 blocks of "
                 f"{self.block_size} tokens ({per_token} bytes per token); give it more memory"
             )
+        # Zeros, not torch.empty: attention gathers whole blocks and padded block-table
+        # entries, and a masked key's probability is 0 but 0 * NaN (stale memory) is NaN,
+        # which made outputs depend on what the allocator handed back.
         self.kv_caches = [
-            torch.empty(
+            torch.zeros(
                 num_blocks,
                 self.block_size,
                 *s.shape,
