@@ -208,7 +208,7 @@ class CudaGraphRunner:
         runner = self.runner
         if bucket is None or getattr(runner.model, "routing_recorder", None) is not None:
             return None
-        if any(runner._banned(s) for s in seqs):
+        if any(runner.banned_tokens(s) for s in seqs):
             return None
         self.replay(seqs, bucket)
         tokens = self.tokens[bucket][: len(seqs)].tolist()  # the step's one host sync

@@ -32,6 +32,8 @@ class ModelRunner:
             self.model.max_model_len, config.max_model_len or self.model.max_model_len
         )
         self.block_size = config.block_size
+        # read once: the engine checks every new token against it
+        self.eos_token_ids: list[int] = self._eos_token_ids()
         self.graphs = None
         self.speculator = None
         if config.speculative_tokens:
@@ -177,7 +179,7 @@ class ModelRunner:
         if not sampling:
             return {}
         logits = self.model.compute_logits(hidden[rows])  # [N, V]
-        banned = [self._banned(s) for s in sampling]
+        banned = [self.banned_tokens(s) for s in sampling]
         tokens = sample(
             logits,
             [s.params for s in sampling],
@@ -186,13 +188,14 @@ class ModelRunner:
         )
         return {s.seq_id: [t] for s, t in zip(sampling, tokens)}
 
-    def _banned(self, seq: Sequence) -> list[int]:
+    def banned_tokens(self, seq: Sequence) -> list[int]:
+        """Token ids the sequence may not sample next: its stop ids and EOS while it has
+        fewer than min_tokens outputs; none after."""
         if seq.num_output_tokens >= seq.params.min_tokens:
             return []
         return list(seq.params.stop_token_ids) + list(self.eos_token_ids)
 
-    @property
-    def eos_token_ids(self) -> list[int]:
+    def _eos_token_ids(self) -> list[int]:
         tok = self.source.tokenizer
         if tok is not None and tok.eos_token_ids:
             return list(tok.eos_token_ids)

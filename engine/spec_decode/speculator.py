@@ -74,7 +74,7 @@ class MtpSpeculator:
         model = self.runner.model
         if not drafts:
             logits = model.compute_logits(hidden[rows[-1:]])
-            banned = self.runner._banned(seq)
+            banned = self.runner.banned_tokens(seq)
             return sample(logits, [seq.params], [seq.generator], [banned] if banned else None)
         k = len(drafts)
         logits = model.compute_logits(hidden[rows[-(k + 1) :]])  # [K+1, V]
@@ -105,7 +105,9 @@ class MtpSpeculator:
             temperatures=None if bool((temps == 0).all()) else temps,
         )
         for b, (seq, _, _) in enumerate(items):
-            if seq.seq_id not in emitted or runner._banned(seq):
+            # No drafts while min_tokens bans EOS/stop ids: verification (greedy_accept,
+            # rejection_sample) does not apply the ban, so a drafted EOS could be accepted.
+            if seq.seq_id not in emitted or runner.banned_tokens(seq):
                 continue
             room = runner.max_model_len - 1 - (len(seq) + len(emitted[seq.seq_id]))
             k = max(0, min(self.num_draft_tokens, room, seq.params.max_tokens))
