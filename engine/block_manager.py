@@ -28,6 +28,7 @@ class BlockManager:
     def release(self, seq: Sequence) -> None:
         self.free.extend(seq.block_table)
         seq.block_table = []
+        # The K/V went with the blocks: after a preemption every token must be recomputed.
         seq.num_computed = 0
 
     @property

@@ -19,10 +19,10 @@ class LLM:
         outs = llm.generate(["Translate into French: good morning"], SamplingParams(max_tokens=32))
         outs[0].outputs[0].text
 
-    `model` is an alias, a Hugging Face directory or a GGUF file. `speculative_tokens` K
-    turns on multi-token-prediction drafts (models whose checkpoint has an MTP layer). `device` "auto" takes the
-    GPU when there is one; `dtype` "auto" is float32 on the CPU and bfloat16 on a GPU
-    (quantized weights stay in their stored format either way).
+    `model` is an alias, a Hugging Face directory or a GGUF file. `device` "auto" takes
+    the GPU when there is one; `dtype` "auto" is float32 on the CPU and bfloat16 on a GPU
+    (quantized weights stay in their stored format either way). `speculative_tokens` K
+    turns on multi-token-prediction drafts (models whose checkpoint has an MTP layer).
     """
 
     def __init__(
