@@ -21,11 +21,11 @@ _SUBJECTS = [
     "The quarterly review", "Our kickoff meeting", "The supplier audit", "The board call",
     "The product demo", "The budget workshop", "The customer visit", "The team offsite",
     "The contract signing", "The training session", "The hiring panel", "The release review",
-]
+]  # fmt: skip
 _CHANGES = [
     "has been moved to", "is confirmed for", "will take place on", "was postponed to",
     "is now scheduled for", "has been brought forward to",
-]
+]  # fmt: skip
 _DAYS = ["Monday", "Tuesday", "Wednesday", "Thursday", "Friday"]
 _TIMES = ["9 am", "10:30", "noon", "2 pm", "4 pm"]
 _REQUESTS = [

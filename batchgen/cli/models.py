@@ -46,7 +46,9 @@ def pull_cmd(name: str) -> None:
     show_default=True,
 )
 @click.option("--layers", type=int, default=None, help="Keep real layer shapes, fewer layers.")
-@click.option("--dense-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True)
+@click.option(
+    "--dense-dtype", type=click.Choice(["bf16", "fp8"]), default="bf16", show_default=True
+)
 @click.option(
     "--expert-dtype", type=click.Choice(["bf16", "fp8", "mxfp4"]), default="bf16", show_default=True
 )
