@@ -54,6 +54,19 @@ class LlamaConfig:
         return cfg
 
 
+def _same_format(quant: QuantConfig | None, prefixes: list[str], d_in: int, outs: list[int]):
+    """Fused projections store their parts in one format; a checkpoint that quantized the
+    parts differently cannot be fused (say so rather than misread bytes)."""
+    if quant is None:
+        return
+    names = {quant.format_for(p, d_in, o).name for p, o in zip(prefixes, outs)}
+    if len(names) > 1:
+        raise ValueError(
+            f"{', '.join(prefixes)} are stored in different formats ({sorted(names)}); "
+            "the llama family needs them in one format"
+        )
+
+
 class LlamaAttention(nn.Module):
     def __init__(self, cfg: LlamaConfig, quant: QuantConfig | None, prefix: str):
         super().__init__()
@@ -64,9 +77,12 @@ class LlamaAttention(nn.Module):
         )
         D, Dh = cfg.hidden_size, cfg.head_dim
         bias = cfg.attention_bias
-        self.q_proj = Linear(D, self.num_heads * Dh, bias, quant, f"{prefix}.q_proj")
-        self.k_proj = Linear(D, self.num_kv_heads * Dh, bias, quant, f"{prefix}.k_proj")
-        self.v_proj = Linear(D, self.num_kv_heads * Dh, bias, quant, f"{prefix}.v_proj")
+        # q, k and v as one matmul: at batch 1 on a CPU each call is latency-bound, so
+        # three small ones cost nearly three times one fused one (loaded row-wise from the
+        # checkpoint's separate q_proj / k_proj / v_proj; see LlamaForCausalLM.fused)
+        self.split = [self.num_heads * Dh, self.num_kv_heads * Dh, self.num_kv_heads * Dh]
+        _same_format(quant, [f"{prefix}.{p}_proj" for p in "qkv"], D, self.split)
+        self.qkv_proj = Linear(D, sum(self.split), bias, quant, f"{prefix}.q_proj")
         self.o_proj = Linear(self.num_heads * Dh, D, False, quant, f"{prefix}.o_proj")
         self.rotary = RotaryEmbedding(Dh, cfg.rope, cfg.max_position_embeddings)
         self.scale = Dh**-0.5
@@ -74,9 +90,10 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext):
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
+        q = q.view(T, self.num_heads, self.head_dim)
+        k = k.view(T, self.num_kv_heads, self.head_dim)
+        v = v.view(T, self.num_kv_heads, self.head_dim)
         q, k = self.rotary(positions, q, k, ctx=ctx)
         write_kv(self.kv_cache, ctx, k, v)
         out = paged_attention(q, self.kv_cache, ctx, self.scale)  # [T, H, Dh]
@@ -87,12 +104,13 @@ class LlamaMLP(nn.Module):
     def __init__(self, cfg: LlamaConfig, quant: QuantConfig | None, prefix: str):
         super().__init__()
         D, I = cfg.hidden_size, cfg.intermediate_size
-        self.gate_proj = Linear(D, I, cfg.mlp_bias, quant, f"{prefix}.gate_proj")
-        self.up_proj = Linear(D, I, cfg.mlp_bias, quant, f"{prefix}.up_proj")
+        _same_format(quant, [f"{prefix}.gate_proj", f"{prefix}.up_proj"], D, [I, I])
+        self.gate_up_proj = Linear(D, 2 * I, cfg.mlp_bias, quant, f"{prefix}.gate_proj")
         self.down_proj = Linear(I, D, cfg.mlp_bias, quant, f"{prefix}.down_proj")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))  # [T, I] -> [T, D]
+        gate, up = self.gate_up_proj(x).chunk(2, dim=-1)  # [T, I] each
+        return self.down_proj(F.silu(gate) * up)  # [T, D]
 
 
 class LlamaDecoderLayer(nn.Module):
@@ -155,12 +173,47 @@ class LlamaForCausalLM(CausalLM):
         for layer, cache in zip(self.model.layers, caches, strict=True):
             layer.self_attn.kv_cache = cache
 
+    # checkpoint projection -> (fused module, which part): rows are stacked in this order
+    FUSED = {
+        "self_attn.q_proj": ("self_attn.qkv_proj", 0),
+        "self_attn.k_proj": ("self_attn.qkv_proj", 1),
+        "self_attn.v_proj": ("self_attn.qkv_proj", 2),
+        "mlp.gate_proj": ("mlp.gate_up_proj", 0),
+        "mlp.up_proj": ("mlp.gate_up_proj", 1),
+    }
+
+    def fused_rows(self, part: str, index: int) -> int:
+        """First row of checkpoint part `index` inside a fused projection (parts are in
+        checkpoint order; the format stores whole rows, so rows of raw GGUF blocks stack
+        the same way as float rows)."""
+        c = self.config
+        if part == "self_attn.qkv_proj":
+            return [0, c.num_attention_heads, c.num_attention_heads + c.num_key_value_heads][
+                index
+            ] * c.head_dim
+        return index * c.intermediate_size
+
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
-        def rename(name: str) -> str | None:
+        def rename(name: str):
             if name.endswith("rotary_emb.inv_freq"):
                 return None  # derived from the config, not learned
             if self.lm_head is None and name == "lm_head.weight":
                 return None  # tied: the embedding is the head
+            head, _, rest = name.partition(".layers.")
+            layer, _, tail = rest.partition(".")
+            for part, (fused, index) in self.FUSED.items():
+                if tail.startswith(part + "."):
+                    leaf = tail[len(part) + 1 :]
+                    return f"{head}.layers.{layer}.{fused}.{leaf}", self.fused_rows(fused, index)
             return name
 
-        load_strict(self, weights, rename)
+        def sources(param: str) -> list[str]:
+            head, _, rest = param.partition(".layers.")
+            layer, _, tail = rest.partition(".")
+            return [
+                f"{head}.layers.{layer}.{part}.{tail.rpartition('.')[2]}"
+                for part, (fused, _) in self.FUSED.items()
+                if tail.startswith(fused + ".")
+            ]
+
+        load_strict(self, weights, rename, fused_sources=sources)

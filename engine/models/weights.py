@@ -41,15 +41,20 @@ def run_after_loading_hooks(model: nn.Module) -> None:
 def load_strict(
     module: nn.Module,
     weights: Iterable[tuple[str, torch.Tensor]],
-    rename: Callable[[str], str | None] = lambda name: name,
+    rename: Callable[[str], str | tuple[str, int] | None] = lambda name: name,
     optional: Callable[[str], bool] = lambda name: False,
+    fused_sources: Callable[[str], list[str]] | None = None,
 ) -> None:
     """Copy each (name, tensor) into the parameter or persistent buffer of that name.
 
-    `rename` maps a checkpoint name to a parameter name (None: skip it on purpose).
-    Unexpected names, shape mismatches and parameters never filled (unless `optional`)
-    raise CheckpointMismatch naming them. Tensors are consumed one at a time, so the
-    checkpoint is never held twice in memory.
+    `rename` maps a checkpoint name to a parameter name (None: skip it on purpose), or to
+    (parameter name, first row) for a parameter that fuses several checkpoint tensors
+    along its rows (q/k/v or gate/up projections): the tensor fills rows
+    first..first+len; `fused_sources(name)` lists the checkpoint tensors a fused
+    parameter is made of, so a missing one is reported by its own name. Unexpected names,
+    shape mismatches and parameters never filled (every row, for fused ones) unless
+    `optional` raise CheckpointMismatch naming them.
+    Tensors are consumed one at a time, so the checkpoint is never held twice in memory.
     """
     targets: dict[str, torch.Tensor] = dict(module.named_parameters())
     for name, buf in module.named_buffers():
@@ -58,15 +63,19 @@ def load_strict(
         if leaf not in sub._non_persistent_buffers_set:
             targets[name] = buf
     unexpected: list[str] = []
-    filled: set[str] = set()
+    seen: set[str] = set()
+    filled_rows: dict[str, int] = {}
     for ckpt_name, tensor in weights:
         name = rename(ckpt_name)
         if name is None:
             continue
+        name, first = name if isinstance(name, tuple) else (name, None)
         target = targets.get(name)
         if target is None:
             unexpected.append(ckpt_name)
             continue
+        if first is not None:
+            target = target[first : first + tensor.shape[0]]
         if tuple(target.shape) != tuple(tensor.shape):
             raise CheckpointMismatch(
                 f"tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
@@ -74,7 +83,12 @@ def load_strict(
             )
         with torch.no_grad():
             target.copy_(tensor)
-        filled.add(name)
-    missing = [n for n in targets if n not in filled and not optional(n)]
+        seen.add(ckpt_name)
+        filled_rows[name] = filled_rows.get(name, 0) + (target.shape[0] if target.dim() else 1)
+    missing = []
+    for n, t in targets.items():
+        if filled_rows.get(n, 0) < (t.shape[0] if t.dim() else 1) and not optional(n):
+            parts = fused_sources(n) if fused_sources else []
+            missing.extend([p for p in parts if p not in seen] if parts else [n])
     raise_on_mismatch(missing, unexpected)
     run_after_loading_hooks(module)

@@ -71,3 +71,20 @@ def test_logits_match_transformers(tiny_llama):
     rel = (ours - ref).norm() / ref.norm()
     assert rel < 1e-4, f"relative logit error {rel:.2e}"
     llm.engine.scheduler.blocks.release(seq)
+
+
+def test_missing_projection_is_named(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    from engine.models.weights import CheckpointMismatch
+
+    model_dir = make_tiny_llama(tmp_path, with_tokenizer=False)
+    path = model_dir / "model.safetensors"
+    tensors = load_file(path)
+    del tensors["model.layers.1.self_attn.k_proj.weight"]
+    tensors["model.layers.0.mlp.extra.weight"] = torch.zeros(2)
+    save_file(tensors, path, metadata={"format": "pt"})
+    with pytest.raises(CheckpointMismatch) as err:
+        LLM(str(model_dir), dtype="float32")
+    assert "model.layers.1.self_attn.k_proj.weight" in str(err.value)
+    assert "model.layers.0.mlp.extra.weight" in str(err.value)
