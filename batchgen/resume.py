@@ -13,7 +13,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchgen.job_spec import JobError, JobSpec
-from batchgen.run_dir import ManifestEntry, RunDir, fsync_dir, write_atomic
+from batchgen.run_dir import ManifestEntry, RunDir, write_atomic
+from batchgen.writer import write_part_file
 
 log = logging.getLogger(__name__)
 
@@ -114,13 +115,7 @@ def take_back_errors(run_dir: RunDir, session: str) -> int:
         retried |= bad
         name = f"part-{next_number:05d}.parquet"
         next_number += 1
-        tmp = run_dir.results / f".{name}.tmp"
-        with open(tmp, "wb") as f:
-            pq.write_table(keep, f, compression="zstd")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, run_dir.results / name)
-        fsync_dir(run_dir.results)
+        write_part_file(keep, run_dir.results / name)
         run_dir.append_manifest(
             ManifestEntry(
                 part=name,

@@ -9,6 +9,7 @@ import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.parquet as pq
@@ -44,6 +45,18 @@ def result_schema(carry_fields: list[pa.Field]) -> pa.Schema:
     return pa.schema(RESULT_FIELDS + carry_fields)
 
 
+def write_part_file(table: pa.Table, path: Path) -> None:
+    """Write a Parquet part durably: tmp file -> fsync -> rename -> fsync the directory, so
+    a kill -9 leaves either the whole part or an orphan tmp file, never a torn part."""
+    tmp = path.with_name(f".{path.name}.tmp")
+    with open(tmp, "wb") as f:
+        pq.write_table(table, f, compression="zstd")
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
+
+
 class PartWriter:
     """Collects finished rows and writes a part every `rows_per_part` rows.
 
@@ -72,7 +85,7 @@ class PartWriter:
         self.in_input_order = in_input_order
         self.on_commit = on_commit
         self.buffer: list[ResultRow] = []
-        self.carry_names = [f.name for f in schema if f.name not in {x.name for x in RESULT_FIELDS}]
+        self.carry_names = [f.name for f in schema if f.name not in RESERVED_COLUMNS]
         self._expected: deque[int] = deque()
         self._held: list[tuple[int, int, ResultRow]] = []  # heap of (seq, n_index, row)
         self._next_part = run_dir.next_part_number()
@@ -135,23 +148,14 @@ class PartWriter:
             columns[name] = [r.carry.get(name) for r in rows]
         return pa.Table.from_pydict(columns, schema=self.schema)
 
-    def _write_durable(self, table: pa.Table, path) -> None:
-        tmp = path.with_name(f".{path.name}.tmp")
-        with open(tmp, "wb") as f:
-            pq.write_table(table, f, compression="zstd")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-        fsync_dir(path.parent)
-
     def _write_part(self, rows: list[ResultRow]) -> None:
         name = f"part-{self._next_part:05d}.parquet"
         self._next_part += 1
         table = self._table(rows)
-        self._write_durable(table, self.run_dir.results / name)
+        write_part_file(table, self.run_dir.results / name)
         errors = [r for r in rows if not r.ok]
         if errors:
-            self._write_durable(self._table(errors), self.run_dir.errors / name)
+            write_part_file(self._table(errors), self.run_dir.errors / name)
         entry = ManifestEntry(
             part=name,
             rows=len(rows),
