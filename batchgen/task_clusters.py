@@ -36,6 +36,7 @@ from jinja2.exceptions import SecurityError, UndefinedError
 from batchgen.job_spec import JobSpec
 from batchgen.render import template_columns, template_text
 from batchgen.rows import InputRow
+from batchgen.run_dir import write_atomic
 from clustering.cluster import ClusterConfig, KMeansClusterer
 from clustering.embed import Embedder
 from clustering.embedding_cache import CachedEmbedder
@@ -152,15 +153,6 @@ class AssignmentCursor:
     def assign(self, row) -> int | None:
         """The cluster of an InputRow (anything with .seq and .id)."""
         return self.cluster_of(row.seq, row.id)
-
-
-def _write_atomic(path: Path, text: str) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
 
 
 def _chunks(rows: Iterable[tuple[str, str | None]], size: int) -> Iterator[list]:
@@ -338,7 +330,7 @@ def build_task_clusters(
         "clusters": [asdict(c) for c in clusters],
     }
     # Written last: its presence is what makes the result complete.
-    _write_atomic(directory / "clusters.json", json.dumps(meta, indent=2, ensure_ascii=False))
+    write_atomic(directory / "clusters.json", json.dumps(meta, indent=2, ensure_ascii=False))
     log.info(
         "task clusters: embedded %d texts (%d found in the cache), %d clusters -> %s",
         result.texts_embedded,
