@@ -143,6 +143,7 @@ class _StopFlag:
 @dataclass
 class _Pending:
     row: PreparedRow
+    seeds: list[int]  # one per n_index, derived once when the requests are made
     results: dict[int, ResultRow] = field(default_factory=dict)
 
 
@@ -211,9 +212,9 @@ class _Loop:
             if row.error is not None:
                 self._finish_row(_error_results(row, self.n, row.error.type, row.error.message))
                 continue
-            self.pending[row.seq] = _Pending(row)
-            for k in range(self.n):
-                seed = derive_seed(self.job.sampling.seed, row.id, k)
+            seeds = [derive_seed(self.job.sampling.seed, row.id, k) for k in range(self.n)]
+            self.pending[row.seq] = _Pending(row, seeds)
+            for k, seed in enumerate(seeds):
                 yield Request(
                     request_id=f"{row.seq}:{k}",
                     prompt=row.prompt_token_ids,
@@ -244,7 +245,7 @@ class _Loop:
                 cluster_id=row.group,
                 error=None,
                 error_type=None,
-                seed=derive_seed(self.job.sampling.seed, row.id, k),
+                seed=pending.seeds[k],
                 carry=row.carry,
                 seq=row.seq,
             )
@@ -307,7 +308,7 @@ def run_job(
     if retry_errors:
         retried = take_back_errors(run_dir, session)
         log.info("--retry-errors: %d rows will run again", retried)
-    done_ids, ok_before, errors_before = committed_ids(run_dir)
+    done_ids, _, errors_before = committed_ids(run_dir)
 
     stats = RunStats(
         rows_total=ctx.total_rows,
@@ -345,7 +346,7 @@ def run_job(
     if recording:
         save_routing_stats(run_dir, session, llm.routing_stats())
     # Count from the manifest, so the verdict covers every session of this run.
-    done_ids, ok_rows, error_rows = committed_ids(run_dir)
+    done_ids, _, error_rows = committed_ids(run_dir)
     complete = len(done_ids) == ctx.total_rows
     if state == "budget":
         code = EXIT_BUDGET_EXCEEDED
