@@ -9,6 +9,7 @@ sequence's cached tokens, gathered through the block table.
 from __future__ import annotations
 
 import torch
+import torch.nn.functional as F
 
 from engine.layers.attention_context import AttentionContext
 
@@ -69,10 +70,12 @@ def paged_attention(
     L = slots.shape[1]
 
     if ctx.is_decode:
-        qb = q.float().view(B, Hk, group, Dh)  # one query per sequence
-        scores = torch.einsum("bkgd,bkld->bkgl", qb, k) * scale  # [B, Hk, G, L]
-        scores.masked_fill_(_decode_padding(ctx, L, q.device), float("-inf"))
-        out = torch.einsum("bkgl,bkld->bkgd", scores.softmax(-1), v)
+        # One query per sequence: the G query heads sharing a kv head act as G "query
+        # positions" over the same keys, so one fused SDPA call covers GQA (on the CPU it
+        # is ~2x faster than scores + softmax + weighted sum as separate ops).
+        qb = q.float().view(B, Hk, group, Dh)
+        visible = ctx.shared("decode_visible", lambda: ~_decode_padding(ctx, L, q.device))
+        out = F.scaled_dot_product_attention(qb, k, v, attn_mask=visible, scale=scale)
         return out.reshape(T, H, Dh).to(q.dtype)
 
     # Mixed prefill/decode step: pad queries per sequence to the longest chunk.
