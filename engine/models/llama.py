@@ -90,11 +90,11 @@ class LlamaAttention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext):
         T = x.shape[0]
-        q, k, v = self.qkv_proj(x).split(self.split, dim=-1)
-        q = q.view(T, self.num_heads, self.head_dim)
-        k = k.view(T, self.num_kv_heads, self.head_dim)
-        v = v.view(T, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k, ctx=ctx)
+        H, Hk = self.num_heads, self.num_kv_heads
+        qkv = self.qkv_proj(x).view(T, H + 2 * Hk, self.head_dim)
+        # q and k heads are adjacent in the fused output: rotate them in one pass
+        (qk,) = self.rotary(positions, qkv[:, : H + Hk], ctx=ctx)
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hk :]
         write_kv(self.kv_cache, ctx, k, v)
         out = paged_attention(q, self.kv_cache, ctx, self.scale)  # [T, H, Dh]
         return self.o_proj(out.reshape(T, -1))
