@@ -164,18 +164,24 @@ class LLMEngine:
         return False
 
     def _stop_string_hit(self, seq: Sequence) -> bool:
-        # Decode the whole output so a stop string split across tokens is seen; only the
-        # tail that the newest token could have completed is searched.
-        previous = len(seq.text)
-        seq.text = self._decode(seq, seq.output_token_ids)
-        longest = max(len(s) for s in seq.params.stop)
-        start = max(0, previous - longest)
-        hits = [(seq.text.find(s, start), s) for s in seq.params.stop]
-        hits = [(i, s) for i, s in hits if i >= 0]
-        if not hits:
+        # A stop string the newest token completed lies within the last few tokens, so
+        # only that tail is decoded each step (decoding the whole output every token
+        # would cost O(n^2) over a long completion). A few tokens more than the longest
+        # stop string covers tokens that decode to no character of their own (partial
+        # UTF-8 bytes). Only on a hit is the whole output decoded, to cut the text there:
+        # the earliest occurrence is this one, since earlier steps found none.
+        stops = seq.params.stop
+        ids = seq.output_token_ids
+        window = max(len(s) for s in stops) + 4
+        tail = self._decode(seq, ids[-window:])
+        if not any(s in tail for s in stops):
             return False
-        index, stop = min(hits)
-        seq.text = seq.text[:index]
+        text = self._decode(seq, ids)
+        found = [(text.find(s), s) for s in stops if s in text]
+        if not found:  # the tail's decoding differed at its cut (a partial character)
+            return False
+        index, stop = min(found)
+        seq.text = text[:index]
         seq.finish_reason, seq.stop_reason = "stop", stop
         return True
 

@@ -46,7 +46,7 @@ class Sequence:
         self.block_table: list[int] = []
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
-        self.text = ""  # detokenized output (kept current only when stop strings need it)
+        self.text = ""  # the output cut at its stop string (set only when one ends it)
         # Speculative decoding: tokens proposed by the draft model for the next step, and
         # the distributions they were drawn from (for rejection sampling).
         self.draft_tokens: list[int] = []

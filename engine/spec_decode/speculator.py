@@ -109,7 +109,9 @@ class MtpSpeculator:
             # rejection_sample) does not apply the ban, so a drafted EOS could be accepted.
             if seq.seq_id not in emitted or runner.banned_tokens(seq):
                 continue
-            room = runner.max_model_len - 1 - (len(seq) + len(emitted[seq.seq_id]))
-            k = max(0, min(self.num_draft_tokens, room, seq.params.max_tokens))
+            new = len(emitted[seq.seq_id])
+            room = runner.max_model_len - 1 - (len(seq) + new)
+            left = seq.params.max_tokens - (seq.num_output_tokens + new)  # tokens still allowed
+            k = max(0, min(self.num_draft_tokens, room, left - 1))
             seq.draft_tokens = proposal.tokens[b, :k].tolist()
             seq.draft_probs = proposal.probs[b, :k]
