@@ -106,3 +106,30 @@ def test_ctrl_c_writes_the_part_and_exits_5(tiny_model_dir, tmp_path):
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     df = pl.read_parquet(tmp_path / "run" / "results" / "*.parquet")
     assert sorted(df["id"].to_list()) == [f"r{i:04d}" for i in range(ROWS)]
+
+
+def test_kill_9_with_clustering_reuses_embeddings_and_assignments(tiny_model_dir, tmp_path):
+    job = _job(tiny_model_dir, tmp_path)
+    text = (
+        job.read_text()
+        .replace("cluster: 'off'", "cluster: auto")
+        .replace("cluster: off", "cluster: auto")
+    )
+    assert "cluster: auto" in text
+    job.write_text(text)
+    proc = _start(job)
+    _wait_for_parts(proc, tmp_path, parts=1)
+    proc.send_signal(signal.SIGKILL)
+    proc.wait()
+    first = proc.stdout.read().decode()
+    assert "task clusters: embedded" in first  # the first session embedded the prompts
+    assert (tmp_path / "run" / "clusters" / "assignments.parquet").exists()
+
+    rerun = subprocess.run([*_CLI, "run", str(job)], capture_output=True, text=True, timeout=400)
+    assert rerun.returncode == 0, rerun.stdout + rerun.stderr
+    log = rerun.stdout + rerun.stderr
+    # no second embedding pass: the stored assignments are reloaded as they are
+    assert "task clusters: reloaded" in log and "task clusters: embedded" not in log
+    df = pl.read_parquet(tmp_path / "run" / "results" / "*.parquet")
+    assert sorted(df["id"].to_list()) == [f"r{i:04d}" for i in range(ROWS)]
+    assert df["cluster_id"].null_count() == 0
