@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from engine.layers.attention_context import AttentionContext
+from engine.layers.decoder_layer import PreNormDecoderLayer
 from engine.layers.deepseek_router import RouterSpec
 from engine.layers.linear import Linear
 from engine.layers.mla import MlaDims, MultiLatentAttention
@@ -170,7 +171,7 @@ class DeepseekV3Config:
         return scale
 
 
-class DeepseekDecoderLayer(nn.Module):
+class DeepseekDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: DeepseekV3Config, index: int, quant: QuantConfig | None, prefix: str):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
@@ -193,15 +194,6 @@ class DeepseekDecoderLayer(nn.Module):
             )
         else:
             self.mlp = SwiGluMlp(cfg.hidden_size, cfg.intermediate_size, quant, f"{prefix}.mlp")
-
-    def forward(self, x, residual, positions, ctx):
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, ctx)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class MtpLayer(nn.Module):

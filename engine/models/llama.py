@@ -15,6 +15,7 @@ from torch import nn
 
 from engine.layers.attention import paged_attention, write_kv
 from engine.layers.attention_context import AttentionContext
+from engine.layers.decoder_layer import PreNormDecoderLayer
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
@@ -113,22 +114,13 @@ class LlamaMLP(nn.Module):
         return self.down_proj(F.silu(gate) * up)  # [T, D]
 
 
-class LlamaDecoderLayer(nn.Module):
+class LlamaDecoderLayer(PreNormDecoderLayer):
     def __init__(self, cfg: LlamaConfig, quant: QuantConfig | None, prefix: str):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.self_attn = LlamaAttention(cfg, quant, f"{prefix}.self_attn")
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = LlamaMLP(cfg, quant, f"{prefix}.mlp")
-
-    def forward(self, x, residual, positions, ctx):
-        if residual is None:
-            residual, x = x, self.input_layernorm(x)
-        else:
-            x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, ctx)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
 
 
 class LlamaModel(nn.Module):
