@@ -1,4 +1,5 @@
-"""Triton bodies for mla_decode.py: split-sequence (flash-decoding) partials, then a merge."""
+"""Triton body for mla_decode.py: split-sequence (flash-decoding) attention whose last split
+to finish merges the others' partials in the same launch (no merge kernel)."""
 
 from __future__ import annotations
 
@@ -9,56 +10,29 @@ from kernels.triton._common import mma
 
 
 @triton.jit
-def mla_decode_partial_kernel(
-    # pointers
-    qc_ptr,  # [B, H, KVL]
-    qr_ptr,  # [B, H, R]
-    cache_ptr,  # [num_blocks, BS, KVL + R]
-    block_tables_ptr,  # [B, max_blocks] int32
-    ctx_lens_ptr,  # [B] int
-    o_ptr,  # [B, H, S, KVL] float32 partial outputs (normalised within the split)
-    lse_ptr,  # [B, H, S] float32 log-sum-exp of each split's scores
-    # sizes
-    H,
+def _attend_chunk(
+    qc,  # [BLOCK_H, KVL]
+    qr,  # [BLOCK_H, R]
+    cache_ptr,
+    block_tables_ptr,
+    b,
+    start,
+    end,
     scale,
-    # strides
-    stride_qcb,
-    stride_qch,
-    stride_qrb,
-    stride_qrh,
     stride_cblk,
     stride_cslot,
     stride_bt,
-    stride_ob,
-    stride_oh,
-    stride_os,
-    stride_lb,
-    stride_lh,
-    # meta-parameters
     KVL: tl.constexpr,
     R: tl.constexpr,
     BS: tl.constexpr,
-    NUM_SPLITS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr,
     F32_DOT: tl.constexpr,
 ):
-    b = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
-    split = tl.program_id(2)
-    ctx = tl.load(ctx_lens_ptr + b).to(tl.int32)
-    chunk = tl.cdiv(tl.cdiv(ctx, NUM_SPLITS), BLOCK_T) * BLOCK_T
-    start = split * chunk
-    end = tl.minimum(start + chunk, ctx)
-
-    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-    mask_h = offs_h < H
+    """Online softmax over cache slots [start, end): (acc [BLOCK_H, KVL] unnormalised,
+    running max m [BLOCK_H], running sum l [BLOCK_H])."""
     offs_c = tl.arange(0, KVL)
     offs_r = tl.arange(0, R)
-    qc = tl.load(qc_ptr + b * stride_qcb + offs_h[:, None] * stride_qch + offs_c[None, :],
-                 mask=mask_h[:, None], other=0.0)  # fmt: skip
-    qr = tl.load(qr_ptr + b * stride_qrb + offs_h[:, None] * stride_qrh + offs_r[None, :],
-                 mask=mask_h[:, None], other=0.0)  # fmt: skip
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, KVL), tl.float32)
@@ -79,46 +53,111 @@ def mla_decode_partial_kernel(
         l_i = l_i * alpha + tl.sum(p, axis=1)
         acc = mma(p.to(c.dtype), c, acc * alpha[:, None], F32_DOT)
         m_i = m_new
-
-    has = l_i > 0
-    o = acc / tl.where(has, l_i, 1.0)[:, None]
-    lse = tl.where(has, m_i + tl.log(tl.where(has, l_i, 1.0)), float("-inf"))
-    o_out = (
-        o_ptr + b * stride_ob + offs_h[:, None] * stride_oh + split * stride_os + offs_c[None, :]
-    )
-    tl.store(o_out, o, mask=mask_h[:, None])
-    tl.store(lse_ptr + b * stride_lb + offs_h * stride_lh + split, lse, mask=mask_h)
+    return acc, m_i, l_i
 
 
 @triton.jit
-def mla_decode_merge_kernel(
-    o_part_ptr,  # [B, H, S, KVL] float32
-    lse_ptr,  # [B, H, S] float32
+def mla_decode_kernel(
+    # pointers
+    qc_ptr,  # [B, H, KVL]
+    qr_ptr,  # [B, H, R]
+    cache_ptr,  # [num_blocks, BS, KVL + R]
+    block_tables_ptr,  # [B, max_blocks] int32
+    ctx_lens_ptr,  # [B] int
     out_ptr,  # [B, H, KVL]
+    o_part_ptr,  # [B, H, S, KVL] float32 partial outputs (normalised within the split)
+    lse_ptr,  # [B, H, S] float32 log-sum-exp of each split's scores
+    counters_ptr,  # [B, cdiv(H, BLOCK_H)] int32, zero between launches (_arrival_counters)
+    # sizes
     H,
+    scale,
+    # strides
+    stride_qcb,
+    stride_qch,
+    stride_qrb,
+    stride_qrh,
+    stride_cblk,
+    stride_cslot,
+    stride_bt,
+    stride_outb,
+    stride_outh,
     stride_ob,
     stride_oh,
     stride_os,
     stride_lb,
     stride_lh,
-    stride_outb,
-    stride_outh,
+    # meta-parameters
     KVL: tl.constexpr,
+    R: tl.constexpr,
+    BS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
-    BLOCK_S: tl.constexpr,
+    BLOCK_H: tl.constexpr,
+    BLOCK_T: tl.constexpr,
+    F32_DOT: tl.constexpr,
 ):
-    """out = sum_s exp(lse_s - LSE) * o_s: the softmax over the whole context."""
     b = tl.program_id(0).to(tl.int64)
-    h = tl.program_id(1)
-    offs_s = tl.arange(0, BLOCK_S)
-    mask_s = offs_s < NUM_SPLITS
-    lse = tl.load(
-        lse_ptr + b * stride_lb + h * stride_lh + offs_s, mask=mask_s, other=float("-inf")
-    )
-    w = tl.exp(lse - tl.max(lse, axis=0))
-    w = w / tl.sum(w, axis=0)
-    offs_c = tl.arange(0, KVL)
-    o = tl.load(o_part_ptr + b * stride_ob + h * stride_oh + offs_s[:, None] * stride_os
-                + offs_c[None, :], mask=mask_s[:, None], other=0.0)  # fmt: skip
-    out = tl.sum(o * w[:, None], axis=0)
-    tl.store(out_ptr + b * stride_outb + h * stride_outh + offs_c, out.to(out_ptr.dtype.element_ty))
+    hb = tl.program_id(1)
+    split = tl.program_id(2)
+    ctx = tl.load(ctx_lens_ptr + b).to(tl.int32)
+    # Splits this sequence uses, decided here from its device-side length (a CUDA graph
+    # fixes NUM_SPLITS at capture for the longest possible context): about sqrt(2 * tiles),
+    # which balances the tiles one split streams against the partials the last one merges.
+    # Every program of the sequence computes the same `active`.
+    tiles = tl.cdiv(ctx, BLOCK_T)
+    active = tl.sqrt((2 * tiles).to(tl.float32)).to(tl.int32)
+    active = tl.minimum(tl.maximum(active, 1), NUM_SPLITS)
+    chunk = tl.maximum(tl.cdiv(tiles, active), 1) * BLOCK_T
+    active = tl.maximum(tl.cdiv(ctx, chunk), 1)
+    if split < active:
+        start = split * chunk
+        end = tl.minimum(start + chunk, ctx)
+        offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+        mask_h = offs_h < H
+        offs_c = tl.arange(0, KVL)
+        offs_r = tl.arange(0, R)
+        qc = tl.load(qc_ptr + b * stride_qcb + offs_h[:, None] * stride_qch + offs_c[None, :],
+                     mask=mask_h[:, None], other=0.0)  # fmt: skip
+        qr = tl.load(qr_ptr + b * stride_qrb + offs_h[:, None] * stride_qrh + offs_r[None, :],
+                     mask=mask_h[:, None], other=0.0)  # fmt: skip
+        acc, m_i, l_i = _attend_chunk(
+            qc, qr, cache_ptr, block_tables_ptr, b, start, end, scale,
+            stride_cblk, stride_cslot, stride_bt,
+            KVL, R, BS, BLOCK_H, BLOCK_T, F32_DOT,
+        )  # fmt: skip
+        has = l_i > 0  # false only for a zero-length context
+        l_safe = tl.where(has, l_i, 1.0)
+        o = acc / l_safe[:, None]
+        out_ptrs = out_ptr + b * stride_outb + offs_h[:, None] * stride_outh + offs_c[None, :]
+        if active == 1:
+            tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
+        elif NUM_SPLITS > 1:  # a constexpr: with 1 no partial buffers or counters exist
+            lse = tl.where(has, m_i + tl.log(l_safe), float("-inf"))
+            part = o_part_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_c[None, :]
+            lse_row = lse_ptr + b * stride_lb + offs_h * stride_lh
+            tl.store(part + split * stride_os, o, mask=mask_h[:, None])
+            tl.store(lse_row + split, lse, mask=mask_h)
+            # Every thread's stores before the counter's release (acq_rel at gpu scope).
+            tl.debug_barrier()
+            counter = counters_ptr + b * tl.num_programs(1) + hb
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived == active - 1:
+                # The last split: out = sum_s exp(lse_s - LSE) o_s, starting from its own
+                # partial (still in registers). Active splits hold >= 1 token, so every
+                # lse is finite. .cg: read at L2, past this SM's L1, which may hold stale
+                # lines of a buffer another launch used at the same address.
+                m = lse
+                den = tl.full((BLOCK_H,), 1.0, tl.float32)
+                for s in range(0, active):
+                    if s != split:
+                        lse_s = tl.load(lse_row + s, mask=mask_h, other=0.0, cache_modifier=".cg")
+                        o_s = tl.load(part + s * stride_os, mask=mask_h[:, None], other=0.0,
+                                      cache_modifier=".cg")  # fmt: skip
+                        m_new = tl.maximum(m, lse_s)
+                        keep = tl.exp(m - m_new)
+                        w = tl.exp(lse_s - m_new)
+                        o = o * keep[:, None] + o_s * w[:, None]
+                        den = den * keep + w
+                        m = m_new
+                o = o / den[:, None]
+                tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
+                tl.atomic_xchg(counter, 0)  # zero again for the next launch

@@ -8,25 +8,38 @@ Legend: B sequences (one new token each), H heads, KVL = kv_lora_rank (512), R =
   out [B, H, KVL] = softmax(scale * (q_c . c_t + q_rope . k_rot_t)) @ c   (per head)
 The caller applies kv_b's value half to `out`.
 
-The sequence is split into `num_splits` chunks (flash-decoding) so a few long sequences
-still fill the GPU; each split writes a normalised partial and its log-sum-exp, and a
-second launch merges them. `num_splits` is a launch constant: pass the same value for
-every step of a CUDA graph bucket (choose_num_splits gives a default from the host-known
-longest context).
+The sequence is split into up to `num_splits` chunks (flash-decoding) so a few long
+sequences still fill the GPU. `num_splits` is a launch constant (the grid's third axis):
+pass the same value for every step of a CUDA graph bucket; choose_num_splits gives one
+from the host-known longest context. Each sequence then uses only as many splits as its
+own device-side length calls for (about sqrt(2 * its 32-token tiles)); with one split the
+program writes the output directly, otherwise each split writes a normalised partial and
+its log-sum-exp and the last split to finish (an arrival counter) merges them: one launch
+in every case, so a graph captured for the longest context stays one launch per layer.
 """
 
 from __future__ import annotations
 
+import math
+
 import torch
 import triton
 
+from kernels.triton._arrival_counters import arrival_counters
 from kernels.triton._common import check_device, interpreting, next_pow2
-from kernels.triton._mla_decode_kernels import mla_decode_merge_kernel, mla_decode_partial_kernel
+from kernels.triton._mla_decode_kernels import mla_decode_kernel
+
+MAX_SPLITS = 64
+
+
+def splits_for_context(context: int, block_t: int = 32) -> int:
+    """The kernel's own rule (see _mla_decode_kernels): about sqrt(2 * tiles) splits."""
+    return max(1, math.isqrt(2 * -(-context // block_t)))
 
 
 def choose_num_splits(batch: int, max_context: int, heads: int, device: torch.device) -> int:
-    """Enough (sequence, head-block, split) programs for about two waves of the GPU, with
-    at least 256 tokens per split."""
+    """Enough (sequence, head-block, split) programs for about two waves of the GPU, and no
+    more splits than the kernel would use for `max_context` (extra ones exit at once)."""
     sms = (
         torch.cuda.get_device_properties(device).multi_processor_count
         if device.type == "cuda"
@@ -34,7 +47,7 @@ def choose_num_splits(batch: int, max_context: int, heads: int, device: torch.de
     )
     programs = batch * triton.cdiv(heads, 16)
     want = triton.cdiv(2 * sms, programs)
-    return max(1, min(want, triton.cdiv(max_context, 256), 64))
+    return max(1, min(want, splits_for_context(max_context), MAX_SPLITS))
 
 
 def mla_decode(
@@ -66,23 +79,24 @@ def mla_decode(
     out = torch.empty((bsz, heads, kvl), dtype=q_c.dtype, device=q_c.device)
     if bsz == 0:
         return out
-    o_part = torch.empty((bsz, heads, num_splits, kvl), dtype=torch.float32, device=q_c.device)
-    lse = torch.empty((bsz, heads, num_splits), dtype=torch.float32, device=q_c.device)
     block_h = 16  # tl.dot's smallest M; heads beyond H are masked
-    mla_decode_partial_kernel[(bsz, triton.cdiv(heads, block_h), num_splits)](
-        q_c, q_rope, kv_cache, block_tables, context_lens, o_part, lse,
+    head_blocks = triton.cdiv(heads, block_h)
+    if num_splits > 1:
+        o_part = torch.empty((bsz, heads, num_splits, kvl), dtype=torch.float32, device=q_c.device)
+        lse = torch.empty((bsz, heads, num_splits), dtype=torch.float32, device=q_c.device)
+        counters = arrival_counters(q_c.device, bsz * head_blocks)
+    else:  # never read: one split writes `out` directly
+        o_part = lse = counters = out
+    mla_decode_kernel[(bsz, head_blocks, num_splits)](
+        q_c, q_rope, kv_cache, block_tables, context_lens, out, o_part, lse, counters,
         heads, float(scale),
         q_c.stride(0), q_c.stride(1), q_rope.stride(0), q_rope.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), block_tables.stride(0),
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
+        out.stride(0), out.stride(1),
+        o_part.stride(0), o_part.stride(1), o_part.stride(2) if num_splits > 1 else 0,
+        lse.stride(0), lse.stride(1),
         KVL=kvl, R=r, BS=kv_cache.shape[1], NUM_SPLITS=num_splits,
         BLOCK_H=block_h, BLOCK_T=block_t, F32_DOT=interpreting(),
         num_warps=8 if kvl >= 256 else 4, num_stages=2,
-    )  # fmt: skip
-    mla_decode_merge_kernel[(bsz, heads)](
-        o_part, lse, out, heads,
-        o_part.stride(0), o_part.stride(1), o_part.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1),
-        KVL=kvl, NUM_SPLITS=num_splits, BLOCK_S=next_pow2(num_splits),
     )  # fmt: skip
     return out

@@ -2,7 +2,8 @@ import pytest
 import torch
 
 from kernels.reference.mla_decode import mla_decode_reference
-from kernels.triton.mla_decode import choose_num_splits, mla_decode
+from kernels.triton._arrival_counters import arrival_counters
+from kernels.triton.mla_decode import choose_num_splits, mla_decode, splits_for_context
 from tests.kernels._helpers import DEVICE, gpu_only, rel_err
 
 
@@ -21,13 +22,34 @@ def make_case(lens, heads, kvl, r, bs, seed):
     return [v.to(DEVICE) for v in (q_c, q_r, cache, tables, lens_t)]
 
 
-@pytest.mark.parametrize("lens,splits", [([5, 37], 1), ([70, 3, 1], 3), ([33], 4)])
-def test_mla_decode_matches_reference(lens, splits):
-    args = make_case(lens, heads=3, kvl=32, r=16, bs=16, seed=len(lens) + splits)
+# (lens, launch splits): one split; short contexts under a launch sized for long ones
+# (one split used, no merge); long ones merged by the last split (300 tokens at 16-token
+# tiles uses 4 splits); 20 heads span two head blocks, the second partly masked.
+@pytest.mark.parametrize(
+    "lens,splits,heads",
+    [([5, 37], 1, 3), ([70, 3, 1], 3, 3), ([33], 4, 3), ([5, 2], 8, 3), ([300, 5, 40], 8, 20)],
+)
+def test_mla_decode_matches_reference(lens, splits, heads):
+    args = make_case(lens, heads=heads, kvl=32, r=16, bs=16, seed=len(lens) + splits)
     scale = 48**-0.5
     out = mla_decode(*args, scale=scale, num_splits=splits, block_t=16)
     assert out.shape == args[0].shape
     assert rel_err(out, mla_decode_reference(*args, scale=scale)) < 1e-2
+
+
+def test_mla_decode_leaves_counters_zero_for_the_next_launch():
+    # The same launch twice with other inputs: the merge must fire again (a counter left
+    # non-zero would make no split the last one and leave `out` unwritten).
+    for seed in (1, 2):
+        args = make_case([300, 200], heads=20, kvl=32, r=16, bs=16, seed=seed)
+        out = mla_decode(*args, scale=0.2, num_splits=6, block_t=16)
+        assert rel_err(out, mla_decode_reference(*args, scale=0.2)) < 1e-2
+        assert not arrival_counters(args[0].device, 4).any()
+
+
+def test_splits_for_context_grow_like_a_square_root():
+    assert [splits_for_context(n) for n in (1, 32, 200, 4096, 131072)] == [1, 1, 3, 16, 90]
+    assert choose_num_splits(1, 200, 16, torch.device("cpu")) == 3
 
 
 @pytest.mark.gpu
