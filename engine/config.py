@@ -29,6 +29,10 @@ class EngineConfig:
     seed: int = 0
     record_routing: bool = False
     speculative_tokens: int = 0  # MTP draft tokens per step (0: off; 1..4)
+    # Launch decode step n+1 before reading step n's tokens, so the host's per-step work
+    # overlaps the GPU's (engine/pending_step.py). None: on when decode steps replay CUDA
+    # graphs. A sequence that stops on a token computes one extra row, which is dropped.
+    async_scheduling: bool | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -39,6 +43,11 @@ class EngineConfig:
             )
         if not 0 <= self.speculative_tokens <= 4:
             raise ValueError(f"speculative_tokens must be in 0..4, got {self.speculative_tokens}")
+        if self.async_scheduling and self.speculative_tokens:
+            raise ValueError(
+                "async_scheduling does not combine with speculative_tokens: a speculative "
+                "step needs its drafts' outcome before the next one is scheduled"
+            )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; use auto or one of {sorted(_DTYPES)}")
 

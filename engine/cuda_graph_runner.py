@@ -13,29 +13,35 @@ mixed steps, batches larger than the largest bucket, and steps that must ban tok
 (min_tokens) run eagerly. Sampled rows draw from the Triton sampler (Philox keyed by the
 sequence's seed and output position), so a seeded sequence repeats itself on the GPU; greedy
 rows take the argmax like the eager sampler.
+
+Async scheduling (engine/pending_step.py): `launch` returns before the tokens are back. Every
+graph also leaves its tokens in one shared `sampled` buffer, and a row whose input token is
+still pending names the previous step's row to take it from (SRC_ROWS); the graph gathers it
+on the device. The host staging buffers are double-buffered so that filling step n+1 cannot
+overwrite step n's inputs before their copy has run.
 """
 
 from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
 from engine.layers.attention_context import AttentionContext
-from engine.sequence import Sequence
+from engine.sequence import PENDING_TOKEN, Sequence
 
 if TYPE_CHECKING:
     from engine.model_runner import ModelRunner
-    from engine.scheduler import ScheduledBatch
 
 log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 
 # Rows of DecodeInputs.ints (int64) and .floats (float32).
-INPUT_IDS, POSITIONS, SLOTS, CONTEXT_LENS, SEEDS, STEPS = range(6)
+INPUT_IDS, POSITIONS, SLOTS, CONTEXT_LENS, SEEDS, STEPS, SRC_ROWS = range(7)
 TEMPERATURE, TOP_P, MIN_P, TOP_K = range(4)
 
 
@@ -57,8 +63,9 @@ def bucket_for(num_seqs: int, buckets: list[int]) -> int | None:
 
 
 class DecodeInputs:
-    """Static device buffers of one decode step (max_batch rows) and their pinned host
-    staging copies. `fill` writes a batch's rows, pads up to the bucket, and copies."""
+    """Static device buffers of one decode step (max_batch rows), their pinned host staging
+    copies (two sets, used in turn), and the `sampled` tokens of the last step. `fill`
+    writes a batch's rows, pads up to the bucket, and copies."""
 
     def __init__(
         self,
@@ -71,23 +78,32 @@ class DecodeInputs:
         pin = device.type == "cuda"
         self.max_batch, self.max_blocks = max_batch, max_blocks
         self.block_size, self.scratch_block = block_size, scratch_block
-        self.host_ints = torch.zeros(6, max_batch, dtype=torch.int64, pin_memory=pin)
-        self.host_floats = torch.zeros(4, max_batch, dtype=torch.float32, pin_memory=pin)
-        self.host_tables = torch.zeros(max_batch, max_blocks, dtype=torch.int64, pin_memory=pin)
-        self.ints = torch.zeros(6, max_batch, dtype=torch.int64, device=device)
+        self.host_ints = torch.zeros(2, 7, max_batch, dtype=torch.int64, pin_memory=pin)
+        self.host_floats = torch.zeros(2, 4, max_batch, dtype=torch.float32, pin_memory=pin)
+        self.host_tables = torch.zeros(2, max_batch, max_blocks, dtype=torch.int64, pin_memory=pin)
+        self.ints = torch.zeros(7, max_batch, dtype=torch.int64, device=device)
         self.floats = torch.zeros(4, max_batch, dtype=torch.float32, device=device)
         self.tables = torch.zeros(max_batch, max_blocks, dtype=torch.int64, device=device)
+        self.sampled = torch.zeros(max_batch, dtype=torch.int64, device=device)
         self.cu_query_lens = torch.arange(max_batch + 1, dtype=torch.int32, device=device)
         self._ints, self._floats = self.host_ints.numpy(), self.host_floats.numpy()
         self._tables = self.host_tables.numpy()
+        self._set = 0  # which staging set the next fill writes
 
-    def fill(self, seqs: list[Sequence], bucket: int) -> None:
+    def fill(
+        self, seqs: list[Sequence], bucket: int, pending_rows: dict[int, int] | None = None
+    ) -> None:
         """Rows 0..len(seqs)-1 from the sequences (each decoding its last token), rows up to
-        `bucket` padding on the scratch block; then copy to the device buffers."""
+        `bucket` padding on the scratch block; then copy to the device buffers. A sequence
+        whose last token is PENDING_TOKEN takes it from row pending_rows[seq_id] of the
+        previous step's `sampled` tokens."""
         n = len(seqs)
         if n > bucket or bucket > self.max_batch:
             raise ValueError(f"{n} sequences do not fit bucket {bucket} (max {self.max_batch})")
-        ints, floats, tables, bs = self._ints, self._floats, self._tables, self.block_size
+        k = self._set
+        self._set ^= 1
+        ints, floats, tables = self._ints[k], self._floats[k], self._tables[k]
+        bs = self.block_size
         for i, seq in enumerate(seqs):
             pos = len(seq) - 1
             table = seq.block_table
@@ -97,7 +113,16 @@ class DecodeInputs:
                     f"(block table of {len(table)}, at most {self.max_blocks})"
                 )
             p = seq.params
-            ints[INPUT_IDS, i] = seq.token_ids[pos]
+            token = seq.token_ids[pos]
+            if token == PENDING_TOKEN:
+                if pending_rows is None or seq.seq_id not in pending_rows:
+                    raise ValueError(
+                        f"sequence {seq.seq_id}: its last token is pending but the previous "
+                        "step has no row for it"
+                    )
+                ints[INPUT_IDS, i], ints[SRC_ROWS, i] = 0, pending_rows[seq.seq_id]
+            else:
+                ints[INPUT_IDS, i], ints[SRC_ROWS, i] = token, -1
             ints[POSITIONS, i] = pos
             ints[SLOTS, i] = table[pos // bs] * bs + pos % bs
             ints[CONTEXT_LENS, i] = pos + 1
@@ -112,11 +137,17 @@ class DecodeInputs:
             ints[:, n:bucket] = 0
             ints[SLOTS, n:bucket] = self.scratch_block * bs
             ints[CONTEXT_LENS, n:bucket] = 1
+            ints[SRC_ROWS, n:bucket] = -1
             floats[:, n:bucket] = 0.0
             tables[n:bucket, 0] = self.scratch_block
-        self.ints.copy_(self.host_ints, non_blocking=True)
-        self.floats.copy_(self.host_floats, non_blocking=True)
-        self.tables[:bucket].copy_(self.host_tables[:bucket], non_blocking=True)
+        self.ints.copy_(self.host_ints[k], non_blocking=True)
+        self.floats.copy_(self.host_floats[k], non_blocking=True)
+        self.tables[:bucket].copy_(self.host_tables[k, :bucket], non_blocking=True)
+
+    def input_ids(self, bucket: int) -> torch.Tensor:
+        """The step's input tokens, pending ones gathered from `sampled` (inside the graph)."""
+        ids, src = self.ints[INPUT_IDS, :bucket], self.ints[SRC_ROWS, :bucket]
+        return torch.where(src >= 0, self.sampled[src.clamp(min=0)], ids)
 
     def context(self, bucket: int, max_model_len: int) -> AttentionContext:
         """The attention metadata of a `bucket`-row decode step, as views of the buffers.
@@ -164,17 +195,21 @@ class CudaGraphRunner:
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.tokens: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
+        # pinned host copies of the sampled tokens, two sets used in turn (see `launch`)
+        self._host_tokens = torch.zeros(2, self.buckets[-1], dtype=torch.int64, pin_memory=True)
+        self._host_set = 0
         self._capture()
 
     def _step(self, bucket: int) -> torch.Tensor:
-        """The captured work: forward, logits, sampling -> tokens [bucket] int64."""
+        """The captured work: forward, logits, sampling -> tokens [bucket] int64, also left
+        in the shared `sampled` buffer for the next step's pending inputs."""
         from kernels.triton.sampling import sample
 
         buf, model = self.inputs, self.runner.model
         ctx = buf.context(bucket, self.runner.max_model_len)
-        hidden = model(buf.ints[INPUT_IDS, :bucket], buf.ints[POSITIONS, :bucket], ctx)
+        hidden = model(buf.input_ids(bucket), buf.ints[POSITIONS, :bucket], ctx)
         logits = model.compute_logits(hidden)  # [bucket, V] float32
-        return sample(
+        tokens = sample(
             logits,
             buf.floats[TEMPERATURE, :bucket],
             buf.floats[TOP_K, :bucket].to(torch.int32),
@@ -183,6 +218,8 @@ class CudaGraphRunner:
             buf.ints[SEEDS, :bucket],
             buf.ints[STEPS, :bucket],
         )
+        buf.sampled[:bucket].copy_(tokens)
+        return tokens
 
     @torch.inference_mode()
     def _capture(self) -> None:
@@ -201,20 +238,40 @@ class CudaGraphRunner:
         self.capture_seconds = time.perf_counter() - start
         log.info("captured decode graphs %s in %.1f s", self.buckets, self.capture_seconds)
 
-    def run(self, batch: ScheduledBatch) -> dict[int, int] | None:
-        """Replay the decode step for `batch`; None when it must run eagerly instead."""
-        seqs = batch.seqs
-        bucket = bucket_for(len(seqs), self.buckets)
+    def can_replay(self, seqs: list[Sequence]) -> bool:
+        """Whether a decode step of these sequences can replay a graph (else it runs eagerly):
+        a bucket holds them, routing is not being recorded, and no row bans tokens."""
         runner = self.runner
-        if bucket is None or getattr(runner.model, "routing_recorder", None) is not None:
-            return None
-        if any(runner.banned_tokens(s) for s in seqs):
-            return None
-        self.replay(seqs, bucket)
-        tokens = self.tokens[bucket][: len(seqs)].tolist()  # the step's one host sync
+        if not seqs or bucket_for(len(seqs), self.buckets) is None:
+            return False
+        if getattr(runner.model, "routing_recorder", None) is not None:
+            return False
+        return not any(runner.banned_tokens(s) for s in seqs)
+
+    def launch(
+        self, seqs: list[Sequence], pending_rows: dict[int, int] | None = None
+    ) -> Callable[[], list[int]]:
+        """Fill the inputs, replay the graph and start copying its tokens to the host; no
+        sync. Returns a function that waits for the tokens and gives them as a list."""
+        n = len(seqs)
+        bucket = bucket_for(n, self.buckets)
+        if bucket is None:
+            raise ValueError(f"{n} sequences are more than the largest graph ({self.buckets[-1]})")
+        self.inputs.fill(seqs, bucket, pending_rows)
+        self.graphs[bucket].replay()
+        host = self._host_tokens[self._host_set, :n]
+        self._host_set ^= 1  # the next launch may run before this one is read
+        host.copy_(self.tokens[bucket][:n], non_blocking=True)
+        done = torch.cuda.Event()
+        done.record()
         for seq in seqs:
             seq.num_computed += 1
-        return {s.seq_id: t for s, t in zip(seqs, tokens)}
+
+        def read() -> list[int]:
+            done.synchronize()
+            return host.tolist()
+
+        return read
 
     def replay(self, seqs: list[Sequence], bucket: int) -> None:
         """Fill the inputs and launch the graph (no sync; benchmarks and profiling)."""

@@ -23,6 +23,9 @@ class LLM:
     the GPU when there is one; `dtype` "auto" is float32 on the CPU and bfloat16 on a GPU
     (quantized weights stay in their stored format either way). `speculative_tokens` K
     turns on multi-token-prediction drafts (models whose checkpoint has an MTP layer).
+    `async_scheduling` launches each decode step before the previous one's tokens are
+    read, hiding the host's work behind the GPU's (default: on where decode steps replay
+    CUDA graphs).
     """
 
     def __init__(
@@ -38,6 +41,7 @@ class LLM:
         max_model_len: int | None = None,
         record_routing: bool = False,
         speculative_tokens: int = 0,
+        async_scheduling: bool | None = None,
     ) -> None:
         self.config = EngineConfig(
             model=str(model),
@@ -51,6 +55,7 @@ class LLM:
             seed=seed,
             record_routing=record_routing,
             speculative_tokens=speculative_tokens,
+            async_scheduling=async_scheduling,
         )
         self.engine = LLMEngine(self.config)
         self.model_name = str(model)

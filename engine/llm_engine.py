@@ -13,8 +13,9 @@ from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.pending_step import PendingStep
 from engine.sampling_params import SamplingParams
-from engine.scheduler import Scheduler
+from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
 
 log = logging.getLogger(__name__)
@@ -47,9 +48,16 @@ class LLMEngine:
         self.requests: dict[str, _RequestState] = {}
         self._unseeded = 0
         self.num_steps = 0
+        self.async_scheduling = self._async_scheduling(config)
+        self._inflight: PendingStep | None = None  # launched, not yet resolved
         self.routing_recorder = None
         if config.record_routing:
             self.record_routing(True)
+
+    def _async_scheduling(self, config: EngineConfig) -> bool:
+        if config.async_scheduling is None:
+            return self.runner.graphs is not None
+        return config.async_scheduling
 
     def record_routing(self, on: bool) -> bool:
         """Turn routing statistics on or off; False when the model has no routed experts."""
@@ -113,22 +121,40 @@ class LLMEngine:
 
     # -- the loop -------------------------------------------------------------------
     def step(self) -> list[RequestOutput]:
+        """Schedule and run one step; returns the requests that finished. With async
+        scheduling a decode step is launched and the previous one resolved, so the tokens
+        a step returns are those of the step before it."""
         finished: list[RequestOutput] = []
         for seq in self.scheduler.abort_unrunnable():
             finished.extend(self._fail(seq.request_id, "sequence does not fit the KV cache"))
         batch = self.scheduler.schedule()
+        resolved = False
+        if self._inflight is not None:
+            batch = self._without_length_finished(batch)
+            if batch.seqs and batch.is_decode:
+                launched = self._launch(batch, self._inflight)
+                finished += self._resolve(self._inflight)
+                self._inflight = launched
+                return finished
+            # A prefill or mixed step reads its inputs on the host: resolve first, then run
+            # it without the sequences that stopped.
+            finished += self._resolve(self._inflight)
+            self._inflight, resolved = None, True
+            batch = ScheduledBatch(
+                [s for s in batch.seqs if not s.is_finished],
+                [n for s, n in zip(batch.seqs, batch.num_tokens) if not s.is_finished],
+            )
         if not batch.seqs:
-            if self.scheduler.has_work():
+            if self.scheduler.has_work() and not resolved:
                 raise RuntimeError(
                     "scheduler made no progress: KV cache too small for any sequence"
                 )
             return finished
-        if self.routing_recorder is not None:
-            groups = Counter(s.group for s in batch.seqs if s.group is not None)
-            dominant = groups.most_common(1)[0][0] if groups else None
-            self.routing_recorder.begin_step(sum(batch.num_tokens), batch.is_decode, dominant)
+        if self.async_scheduling and batch.is_decode:
+            self._inflight = self._launch(batch, None)
+            return finished
+        self._begin_step(batch)
         new_tokens = self.runner.run(batch)
-        self.num_steps += 1
         now = time.monotonic()
         for seq in batch.seqs:
             tokens = new_tokens.get(seq.seq_id)
@@ -138,13 +164,67 @@ class LLMEngine:
             state.first_token = state.first_token or now
             for token in tokens:  # several when speculative drafts were accepted
                 seq.token_ids.append(token)
-                if self._check_finished(seq, token):
-                    seq.draft_tokens, seq.draft_probs = [], None
-                    self.scheduler.finish(seq)
-                    if all(s.is_finished for s in state.seqs):
-                        finished.append(self._output(state, now))
+                if self._finish_if_done(seq, token, state, now, finished):
                     break
         return finished
+
+    def _begin_step(self, batch: ScheduledBatch) -> None:
+        self.num_steps += 1
+        if self.routing_recorder is not None:
+            groups = Counter(s.group for s in batch.seqs if s.group is not None)
+            dominant = groups.most_common(1)[0][0] if groups else None
+            self.routing_recorder.begin_step(sum(batch.num_tokens), batch.is_decode, dominant)
+
+    def _launch(self, batch: ScheduledBatch, previous: PendingStep | None) -> PendingStep:
+        self._begin_step(batch)
+        return self.runner.launch(batch, previous)
+
+    def _without_length_finished(self, batch: ScheduledBatch) -> ScheduledBatch:
+        """Drop sequences whose pending token is their last whatever its value (max_tokens
+        or the context reached): another step for them would only be thrown away."""
+        keep = [
+            i
+            for i, s in enumerate(batch.seqs)
+            if s.num_output_tokens < s.params.max_tokens and len(s) < self.max_model_len
+        ]
+        if len(keep) == len(batch.seqs):
+            return batch
+        return ScheduledBatch([batch.seqs[i] for i in keep], [batch.num_tokens[i] for i in keep])
+
+    def _resolve(self, pending: PendingStep) -> list[RequestOutput]:
+        """Write a launched step's tokens in place of its placeholders and make the stop
+        checks. A sequence that stopped drops the placeholder a later launch gave it."""
+        finished: list[RequestOutput] = []
+        now = time.monotonic()
+        for seq, pos, token in zip(pending.seqs, pending.positions, pending.tokens()):
+            if seq.is_finished:
+                continue
+            seq.token_ids[pos] = token
+            later = seq.token_ids[pos + 1 :]  # the next launch's placeholder, if any
+            del seq.token_ids[pos + 1 :]
+            state = self.requests[seq.request_id]
+            state.first_token = state.first_token or now
+            if not self._finish_if_done(seq, token, state, now, finished):
+                seq.token_ids.extend(later)
+        return finished
+
+    def _finish_if_done(
+        self,
+        seq: Sequence,
+        token: int,
+        state: _RequestState,
+        now: float,
+        finished: list[RequestOutput],
+    ) -> bool:
+        """Stop checks on the sequence's newest token; on a stop, finish it (and its request
+        when that was the last of its sequences)."""
+        if not self._check_finished(seq, token):
+            return False
+        seq.draft_tokens, seq.draft_probs = [], None
+        self.scheduler.finish(seq)
+        if all(s.is_finished for s in state.seqs):
+            finished.append(self._output(state, now))
+        return True
 
     def _check_finished(self, seq: Sequence, token: int) -> bool:
         p = seq.params
@@ -217,8 +297,6 @@ class LLMEngine:
         if state is None:
             return []
         for seq in state.seqs:
-            if seq in self.scheduler.waiting:
-                self.scheduler.waiting.remove(seq)
-            elif seq in self.scheduler.running:
+            if not seq.is_finished:
                 self.scheduler.finish(seq)
         return [RequestOutput(request_id, state.prompt, state.prompt_token_ids, [], True, message)]

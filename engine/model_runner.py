@@ -14,9 +14,10 @@ from engine.layers.attention_context import AttentionContext
 from engine.loader import ModelSource, open_model_source
 from engine.models.base import CausalLM
 from engine.models.registry import model_class_for
+from engine.pending_step import PendingStep
 from engine.sampler import sample
 from engine.scheduler import ScheduledBatch
-from engine.sequence import Sequence
+from engine.sequence import PENDING_TOKEN, Sequence
 
 log = logging.getLogger(__name__)
 
@@ -159,11 +160,36 @@ class ModelRunner:
         (one each, or several when speculative drafts were accepted)."""
         if self.speculator is not None:
             return self.speculator.run(batch)
-        if self.graphs is not None and batch.is_decode:
+        if self.graphs is not None and batch.is_decode and self.graphs.can_replay(batch.seqs):
             # CUDA graphs: one replay runs the whole decode step (engine/cuda_graph_runner.py)
-            tokens = self.graphs.run(batch)
-            if tokens is not None:
-                return {seq_id: [t] for seq_id, t in tokens.items()}
+            tokens = self.graphs.launch(batch.seqs)()
+            return {s.seq_id: [t] for s, t in zip(batch.seqs, tokens)}
+        return self._run_eager(batch)
+
+    @torch.inference_mode()
+    def launch(self, batch: ScheduledBatch, previous: PendingStep | None) -> PendingStep:
+        """Start a decode step (each sequence decodes its one uncomputed token) and return
+        without its tokens (async scheduling, engine/pending_step.py): each sequence gets a
+        PENDING_TOKEN now. `previous` is the step launched before this one, not resolved
+        yet; its pending tokens are this step's inputs."""
+        seqs = batch.seqs
+        on_graph = self.graphs is not None and self.graphs.can_replay(seqs)
+        chained = previous is not None and previous.device_rows and on_graph
+        if previous is not None and not chained:
+            previous.write_tokens()  # this step reads its inputs on the host
+        positions = [len(s) for s in seqs]
+        if on_graph:
+            read = self.graphs.launch(seqs, previous.row_of() if chained else None)
+            pending = PendingStep(seqs, positions, read, device_rows=True)
+        else:
+            new = self._run_eager(batch)
+            tokens = [new[s.seq_id][0] for s in seqs]
+            pending = PendingStep(seqs, positions, lambda: tokens)
+        for seq in seqs:
+            seq.token_ids.append(PENDING_TOKEN)
+        return pending
+
+    def _run_eager(self, batch: ScheduledBatch) -> dict[int, list[int]]:
         input_ids, positions, ctx = self.prepare(batch)
         hidden = self.model(input_ids, positions, ctx)  # [T, D]
         rows: list[int] = []

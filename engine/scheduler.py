@@ -129,9 +129,14 @@ class Scheduler:
         self.num_preemptions += 1
 
     def finish(self, seq: Sequence) -> None:
+        """End a sequence: running ones free their blocks; a waiting one (preempted while
+        its last token was still being sampled) only leaves the queue."""
+        if seq.status is Status.RUNNING:
+            self.running.remove(seq)
+            self.blocks.release(seq)
+        elif seq.status is Status.WAITING:
+            self.waiting.remove(seq)
         seq.status = Status.FINISHED
-        self.running.remove(seq)
-        self.blocks.release(seq)
 
     def abort_unrunnable(self) -> list[Sequence]:
         """Waiting sequences that can never fit the whole cache: nothing else to do with

@@ -18,6 +18,11 @@ class Status(enum.Enum):
 
 _ids = count()
 
+# Stands in token_ids for a token that a launched decode step is still sampling on the
+# device (async scheduling, engine/pending_step.py); the engine writes the real token when
+# it reads that step back. Never a real token id (those are >= 0).
+PENDING_TOKEN = -1
+
 
 class Sequence:
     """A prompt plus the tokens generated so far. `num_computed` tokens already have

@@ -10,6 +10,7 @@ from engine.cuda_graph_runner import (
     POSITIONS,
     SEEDS,
     SLOTS,
+    SRC_ROWS,
     STEPS,
     TEMPERATURE,
     TOP_K,
@@ -19,7 +20,7 @@ from engine.cuda_graph_runner import (
     capture_buckets,
 )
 from engine.sampling_params import SamplingParams
-from engine.sequence import Sequence
+from engine.sequence import PENDING_TOKEN, Sequence
 
 
 def test_capture_buckets_cover_max_num_seqs():
@@ -91,3 +92,16 @@ def test_fill_rejects_a_position_without_a_block():
         inputs.fill([seq], 1)
     with pytest.raises(ValueError, match="do not fit"):
         inputs.fill([seq, seq], 1)
+
+
+def test_pending_tokens_are_gathered_from_the_previous_steps_rows():
+    inputs = DecodeInputs(4, 3, 4, 7, torch.device("cpu"))
+    params = SamplingParams(max_tokens=8)
+    done = _seq([1, 2, 3], [4], [0], params)  # last token known on the host
+    waiting = _seq([5, 6], [PENDING_TOKEN], [1], params)  # sampled by row 2 of the last step
+    inputs.sampled[:4] = torch.tensor([40, 41, 42, 43])
+    inputs.fill([done, waiting], 4, pending_rows={waiting.seq_id: 2})
+    assert inputs.ints[SRC_ROWS, :4].tolist() == [-1, 2, -1, -1]
+    assert inputs.input_ids(4).tolist() == [4, 42, 0, 0]
+    with pytest.raises(ValueError, match="pending"):
+        inputs.fill([waiting], 1)

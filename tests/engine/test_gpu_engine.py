@@ -41,11 +41,24 @@ def test_greedy_tokens_equal_the_cpu_path_in_float32(tiny_checkpoint):
     want = _tokens(cpu.generate(prompts, params))
     gpu = LLM(str(tiny_checkpoint), device="cuda", dtype="float32", max_num_seqs=8)
     runner = gpu.engine.runner
-    assert runner.graphs is not None and runner.graphs.buckets == [1, 2, 4, 8]
+    graphs = runner.graphs
+    assert graphs is not None and graphs.buckets == [1, 2, 4, 8]
     assert runner.num_blocks > 1000  # sized from free memory after the warm-up
+    assert gpu.engine.async_scheduling  # on by default with graphs
+    assert _tokens(gpu.generate(prompts, params)) == want
+    gpu.engine.async_scheduling = False  # every step read back before the next
     assert _tokens(gpu.generate(prompts, params)) == want
     runner.graphs = None  # the same engine, every step eager
     assert _tokens(gpu.generate(prompts, params)) == want
+    # Sequences leaving the batch at different steps: the rows of a step's pending tokens
+    # move between steps, and a stopped row's extra token must be dropped.
+    mixed = [
+        SamplingParams(temperature=0.0, max_tokens=3 + 2 * i, stop_token_ids=[want[i][5]])
+        for i in range(len(prompts))
+    ]
+    cpu_mixed = [o.outputs[0].token_ids for o in cpu.generate(prompts, mixed)]
+    runner.graphs, gpu.engine.async_scheduling = graphs, True
+    assert [o.outputs[0].token_ids for o in gpu.generate(prompts, mixed)] == cpu_mixed
     del gpu, runner
     torch.cuda.empty_cache()
 
