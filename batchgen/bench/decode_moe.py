@@ -135,15 +135,45 @@ def graph_replay_ms(runner, batch: int) -> float | None:
     return start.elapsed_time(end) / reps
 
 
-def profile_decode_step(llm, prompt_len: int, vocab: int) -> dict:
-    """Batch 1: kernel launches and host time of a decode step, with graphs and eagerly."""
+class _WaitTimer:
+    """Seconds spent waiting for a launched step's tokens (PendingStep.tokens) while on."""
+
+    def __enter__(self):
+        from engine.pending_step import PendingStep
+
+        self.seconds = 0.0
+        self._original = PendingStep.tokens
+        timer, original = self, self._original
+
+        def timed(step):
+            t0 = time.perf_counter()
+            try:
+                return original(step)
+            finally:
+                timer.seconds += time.perf_counter() - t0
+
+        PendingStep.tokens = timed
+        return self
+
+    def __exit__(self, *exc):
+        from engine.pending_step import PendingStep
+
+        PendingStep.tokens = self._original
+
+
+def profile_decode_step(
+    llm, prompt_len: int, vocab: int, batch: int = 1, modes: tuple[str, ...] = ("graph", "eager")
+) -> dict:
+    """Kernel launches, device time by kernel and host time of a decode step of `batch`
+    sequences, replaying graphs and eagerly."""
     from torch.profiler import ProfilerActivity, profile
 
     from engine.sampling_params import SamplingParams
 
     engine, runner = llm.engine, llm.engine.runner
     params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
-    engine.add_request("profile", random_prompts(1, prompt_len, vocab, seed=7)[0], params)
+    for i, prompt in enumerate(random_prompts(batch, prompt_len, vocab, seed=7)):
+        engine.add_request(f"profile-{i}", prompt, params)
     while any(s.num_computed < len(s) - 1 for s in engine.scheduler.running) or (
         engine.scheduler.waiting
     ):
@@ -152,7 +182,7 @@ def profile_decode_step(llm, prompt_len: int, vocab: int) -> dict:
         engine.step()
     out: dict = {}
     graphs = runner.graphs
-    for mode in ("graph", "eager"):
+    for mode in modes:
         runner.graphs = graphs if mode == "graph" else None
         engine.step()  # warm
         steps = 5
@@ -164,27 +194,42 @@ def profile_decode_step(llm, prompt_len: int, vocab: int) -> dict:
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         launches = [e for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel")]
         graph_launches = [e for e in events if e.name.startswith("cudaGraphLaunch")]
-        walls = []
+        walls, busy = [], []
         for _ in range(10):
-            t0 = time.perf_counter()
-            engine.step()
-            walls.append(time.perf_counter() - t0)
+            waited = _WaitTimer()
+            with waited:
+                t0 = time.perf_counter()
+                engine.step()
+                wall = time.perf_counter() - t0
+            walls.append(wall)
+            busy.append(wall - waited.seconds)
         names = collections.Counter(e.name[:60] for e in kernels)
+        device_us: collections.Counter = collections.Counter()
+        for e in kernels:
+            device_us[e.name[:60]] += e.time_range.elapsed_us() / steps
         out[mode] = {
             # what is left to fuse: the most frequent kernels of a step, per step
             "top_kernels": {n: c / steps for n, c in names.most_common(16)},
+            # where the step's device time goes: microseconds per step by kernel
+            "top_kernels_us": {n: round(us, 1) for n, us in device_us.most_common(16)},
+            "kernel_us_per_step": sum(device_us.values()),
             "device_kernels_per_step": len(kernels) / steps,
             "host_kernel_launches_per_step": len(launches) / steps,
             "graph_launches_per_step": len(graph_launches) / steps,
             "step_ms": 1e3 * statistics.median(walls),
+            # host work per step: the step's wall time less its waits for the device
+            "host_busy_ms": 1e3 * statistics.median(busy),
         }
     runner.graphs = graphs
-    if graphs is not None:
-        replay = graph_replay_ms(runner, 1)
+    if graphs is not None and "graph" in modes:
+        replay = graph_replay_ms(runner, batch)
         out["graph"]["replay_ms"] = replay
-        host = out["graph"]["step_ms"] - replay
-        out["graph"]["host_ms"] = host
-        out["graph"]["host_frac"] = host / out["graph"]["step_ms"]
+        # With async scheduling the host's work overlaps the next replay; what a step loses
+        # to the host is its wall time beyond one replay's device time.
+        exposed = max(0.0, out["graph"]["step_ms"] - replay)
+        out["graph"]["host_ms"] = exposed
+        out["graph"]["host_frac"] = exposed / out["graph"]["step_ms"]
+        out["graph"]["async_scheduling"] = engine.async_scheduling
     while engine.has_unfinished():
         engine.step()
     return out
@@ -248,6 +293,12 @@ def bench_engine(
     if profile_step:
         info["profile_batch1"] = profile_decode_step(llm, prompt_len, vocab)
         log(f"{weights}: profile {info['profile_batch1']}")
+        big = max(batches)
+        if big > 1:
+            info[f"profile_batch{big}"] = profile_decode_step(
+                llm, prompt_len, vocab, batch=big, modes=("graph",)
+            )
+            log(f"{weights}: profile {info[f'profile_batch{big}']}")
     del llm, runner, model
     gc.collect()
     torch.cuda.empty_cache()
