@@ -15,6 +15,122 @@ import triton.language as tl
 
 from kernels.triton._common import e8m0_to_f32, mma
 
+# One 32-bit register holds four code bytes b0..b3 (8 weights). prmt spreads two bytes
+# into the low bytes of two 16-bit lanes; then per pair of weights: mask the nibbles, one
+# multiply by 2^6 + 2^12 (or 2^2 + 2^8) copies the E2M1 bits to 8..6 and the sign bit to 15
+# (the two copies do not overlap, so the add is an or), mask, and one bf16x2 fma by the
+# scale factor (fma with -0.0 rather than mul.bf16x2: sm_80 has it, so Ampere runs this too).
+# 18 instructions per 8 weights, against ~60 for the plain Triton decode (which widens
+# each byte to its own register and works on 16-bit lanes).
+_MXFP4_DECODE_ASM = tl.constexpr("""
+{
+.reg .b32 t01, t23, u, nz;
+mov.b32 nz, 0x80008000;
+prmt.b32 t01, $4, 0, 0x4140;
+prmt.b32 t23, $4, 0, 0x4342;
+and.b32 u, t01, 0x000F000F;
+mul.lo.u32 u, u, 0x1040;
+and.b32 u, u, 0x81C081C0;
+fma.rn.bf16x2 $0, u, $5, nz;
+and.b32 u, t23, 0x000F000F;
+mul.lo.u32 u, u, 0x1040;
+and.b32 u, u, 0x81C081C0;
+fma.rn.bf16x2 $1, u, $6, nz;
+and.b32 u, t01, 0x00F000F0;
+mul.lo.u32 u, u, 0x104;
+and.b32 u, u, 0x81C081C0;
+fma.rn.bf16x2 $2, u, $5, nz;
+and.b32 u, t23, 0x00F000F0;
+mul.lo.u32 u, u, 0x104;
+and.b32 u, u, 0x81C081C0;
+fma.rn.bf16x2 $3, u, $6, nz;
+}
+""")
+
+
+@triton.jit
+def _mxfp4_weights(b, f, F32_DOT: tl.constexpr, ASM: tl.constexpr):
+    """Codes b (uint8 [GROUPS, 16, BN]) and per-group factors f (bf16 2^(s-1), [GROUPS, 1, BN])
+    -> the low and high nibbles' weights as bf16 [GROUPS * 16, BN], scale included.
+
+    A nibble s|e e|m placed as bf16 bits s<<15 | eem<<6 is exactly E2M1 * 2^-126: e = 0
+    lands on the bf16 subnormals (code 1 -> 0.5 * 2^-126), e > 0 on the normals. One bf16
+    multiply by 2^(s-1) then gives E2M1 * 2^(s-127), exact (no rounding: a power of two
+    times a 2-significant-bit value; bf16 arithmetic does not flush subnormals).
+    ASM: the same bits and multiply in PTX on packed registers (GPU only)."""
+    if ASM and not F32_DOT:
+        w_lo, w_hi = tl.inline_asm_elementwise(
+            _MXFP4_DECODE_ASM,
+            "=r,=r,=r,=r,r,r,r",
+            [b, tl.broadcast_to(f, b.shape)],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=4,
+        )
+    else:
+        bi = b.to(tl.int32)
+        lo = ((bi & 7) << 6) | ((bi & 8) << 12)
+        hi = ((bi & 0x70) << 2) | ((bi & 0x80) << 8)
+        if F32_DOT:
+            # The interpreter has no bf16 arithmetic (see _common) and flushes bf16
+            # subnormals when it widens them: the bits shifted into a float32 are the same
+            # values.
+            w_lo = (lo << 16).to(tl.float32, bitcast=True) * f.to(tl.float32)
+            w_hi = (hi << 16).to(tl.float32, bitcast=True) * f.to(tl.float32)
+        else:
+            w_lo = lo.to(tl.int16).to(tl.bfloat16, bitcast=True) * f
+            w_hi = hi.to(tl.int16).to(tl.bfloat16, bitcast=True) * f
+    rows: tl.constexpr = b.shape[0] * b.shape[1]
+    return tl.reshape(w_lo, (rows, b.shape[2])), tl.reshape(w_hi, (rows, b.shape[2]))
+
+
+@triton.jit
+def _mxfp4_step(
+    acc,
+    a_ptr,  # [BLOCK_M] pointers to a[row, 0]
+    mask_m,
+    w_ptr,  # packed codes [N, K/2] of this expert
+    ws_ptr,  # E8M0 scales [N, K/32] of this expert
+    rows,
+    mask_n,
+    k0,
+    K,
+    stride_wn,
+    stride_wsn,
+    BLOCK_K: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """acc += a[:, k0:k0+BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T for MXFP4 W, as two bf16 dots of
+    depth BLOCK_K/2: even k (low nibbles) and odd k (high nibbles). The sum over k does not
+    care about k's order, so the activations are split into even and odd columns in
+    registers (one contiguous [BLOCK_M, BLOCK_K/2, 2] load, tl.split) instead of the weights
+    being interleaved. The group scale is folded into each decoded weight (one bf16
+    multiply), so the dots accumulate straight into acc: no per-group partial or epilogue."""
+    HALF: tl.constexpr = BLOCK_K // 2
+    GROUPS: tl.constexpr = BLOCK_K // 32
+    offs_j = k0 // 2 + tl.arange(0, HALF)  # byte columns = pairs of k
+    amask = mask_m[:, None, None] & (offs_j < K // 2)[None, :, None]
+    parity = tl.arange(0, 2)
+    a = tl.load(a_ptr[:, None, None] + 2 * offs_j[None, :, None] + parity[None, None, :],
+                mask=amask, other=0.0)  # fmt: skip
+    a_even, a_odd = tl.split(a)  # [BLOCK_M, HALF] each
+    offs_g = k0 // 32 + tl.arange(0, GROUPS)
+    mask_g = offs_g < K // 32  # K is a multiple of 32: a group is wholly in or out
+    offs_b = offs_g[:, None, None] * 16 + tl.arange(0, 16)[None, :, None]  # [GROUPS, 16, 1]
+    b = tl.load(w_ptr + rows[None, None, :] * stride_wn + offs_b,
+                mask=mask_g[:, None, None] & mask_n[None, None, :], other=0)  # fmt: skip
+    s = tl.load(ws_ptr + rows[None, :] * stride_wsn + offs_g[:, None],
+                mask=mask_g[:, None] & mask_n[None, :], other=0)  # fmt: skip
+    # bf16 bits of 2^(s-1). Exact for s <= 128 (scales <= 2, |w| <= 12: every real
+    # checkpoint); beyond, the factor would overflow bf16, and the wrapper says so.
+    f = ((tl.minimum(s.to(tl.int32), 128) + 126) << 7).to(tl.int16)
+    f = f.to(tl.bfloat16, bitcast=True)[:, None, :]
+    w_lo, w_hi = _mxfp4_weights(b, f, F32_DOT, ASM)
+    acc = mma(a_even.to(tl.bfloat16), w_lo, acc, F32_DOT)
+    acc = mma(a_odd.to(tl.bfloat16), w_hi, acc, F32_DOT)
+    return acc
+
 
 @triton.jit
 def _expert_step(
@@ -32,40 +148,12 @@ def _expert_step(
     WFMT: tl.constexpr,
     BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr,
+    MXFP4_ASM: tl.constexpr,
 ):
     """acc [BLOCK_M, BLOCK_N] += a[:, k0:k0+BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T."""
     if WFMT == 3:
-        # Each 32-wide scale group of the K step is one sub-step, unrolled, so the scale
-        # multiplies the partial product, not each weight; a wide BLOCK_K (64/128) puts the
-        # groups' loads in flight together and cuts loop overhead. Even k live in the low
-        # nibbles, odd k in the high ones: the activations are split the same way (two
-        # strided loads) instead of interleaving decoded weights. A nibble becomes an fp16
-        # with two masks and shifts: sign -> bit 15, exponent+mantissa -> bits 9..11 give
-        # exactly E2M1 * 2^-14 (code 1 lands on the fp16 subnormal 2^-15), so the group
-        # scale absorbs the 2^14.
-        for g in tl.static_range(BLOCK_K // 32):
-            kg = k0 + 32 * g
-            offs_j = kg // 2 + tl.arange(0, 16)
-            mask_j = offs_j < K // 2
-            amask = mask_m[:, None] & mask_j[None, :]
-            a_even = tl.load(a_ptr[:, None] + 2 * offs_j[None, :], mask=amask, other=0.0)
-            a_odd = tl.load(a_ptr[:, None] + 2 * offs_j[None, :] + 1, mask=amask, other=0.0)
-            # fp16 tensor cores: saturate rather than overflow activations beyond fp16.
-            a_even = tl.minimum(tl.maximum(a_even.to(tl.float32), -65504.0), 65504.0)
-            a_odd = tl.minimum(tl.maximum(a_odd.to(tl.float32), -65504.0), 65504.0)
-            wmask = mask_n[None, :] & mask_j[:, None]
-            b = tl.load(w_ptr + rows[None, :] * stride_wn + offs_j[:, None], mask=wmask, other=0)
-            b = b.to(tl.int32)
-            lo = (((b & 7) << 9) | ((b & 8) << 12)).to(tl.int16).to(tl.float16, bitcast=True)
-            hi = (((b & 0x70) << 5) | ((b & 0x80) << 8)).to(tl.int16).to(tl.float16, bitcast=True)
-            # A group past K has zero codes and activations; any finite scale will do.
-            group = tl.minimum(kg // 32, K // 32 - 1)
-            s = tl.load(ws_ptr + rows * stride_wsn + group, mask=mask_n, other=0)
-            s = e8m0_to_f32(s) * 16384.0
-            part = tl.zeros(acc.shape, dtype=tl.float32)
-            part = mma(a_even.to(tl.float16), lo, part, F32_DOT)
-            part = mma(a_odd.to(tl.float16), hi, part, F32_DOT)
-            acc += part * s[None, :]
+        acc = _mxfp4_step(acc, a_ptr, mask_m, w_ptr, ws_ptr, rows, mask_n, k0, K, stride_wn,
+                          stride_wsn, BLOCK_K, F32_DOT, MXFP4_ASM)  # fmt: skip
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
@@ -131,6 +219,7 @@ def moe_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr,
+    MXFP4_ASM: tl.constexpr = True,  # PTX nibble decode (ignored under the interpreter)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -147,9 +236,9 @@ def moe_gate_up_kernel(
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, D, BLOCK_K):
         acc_gate = _expert_step(acc_gate, a_rows, mask_m, w_e, ws_e, offs_n, mask_n, k0, D,
-                                stride_wn, stride_wsn, WFMT, BLOCK_K, F32_DOT)  # fmt: skip
+                                stride_wn, stride_wsn, WFMT, BLOCK_K, F32_DOT, MXFP4_ASM)  # fmt: skip
         acc_up = _expert_step(acc_up, a_rows, mask_m, w_e, ws_e, offs_n + I, mask_n, k0, D,
-                              stride_wn, stride_wsn, WFMT, BLOCK_K, F32_DOT)  # fmt: skip
+                              stride_wn, stride_wsn, WFMT, BLOCK_K, F32_DOT, MXFP4_ASM)  # fmt: skip
     h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     h_out = h_ptr + pairs.to(tl.int64)[:, None] * stride_hp + offs_n[None, :]
     tl.store(h_out, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -184,6 +273,7 @@ def moe_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr,
+    MXFP4_ASM: tl.constexpr = True,  # PTX nibble decode (ignored under the interpreter)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -199,7 +289,7 @@ def moe_down_kernel(
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(0, I, BLOCK_K):
         acc = _expert_step(acc, a_rows, mask_m, w_e, ws_e, offs_n, mask_n, k0, I,
-                           stride_wn, stride_wsn, WFMT, BLOCK_K, F32_DOT)  # fmt: skip
+                           stride_wn, stride_wsn, WFMT, BLOCK_K, F32_DOT, MXFP4_ASM)  # fmt: skip
     if not DENSE:
         route_w = tl.load(topk_weights_ptr + pairs, mask=mask_m, other=0.0)
         acc = acc * route_w[:, None]

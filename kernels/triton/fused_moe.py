@@ -16,7 +16,10 @@ mode (every row is one token, one expert, no alignment), accumulating into the s
 
 Weights: "bf16" (or fp16) stacked tensors; "fp8": E4M3 codes with 128x128 block scales per
 expert ([E, ceil(N/128), ceil(K/128)], float32 or E8M0 uint8); "mxfp4": packed uint8
-[E, N, K/2] with E8M0 scales [E, N, K/32]. Codes are decoded in registers.
+[E, N, K/2] with E8M0 scales [E, N, K/32]. Codes are decoded in registers. MXFP4 decodes
+each nibble to bf16 with its group scale folded in (exact for E8M0 scales up to 2^1, i.e.
+|w| <= 12, which every real checkpoint's experts are far inside; a larger scale is clamped
+to 2^1) and multiplies bf16 activations (fp16 ones are rounded to bf16 first).
 
 Decode shapes (few pairs per expert) use BLOCK_M=16 and narrow N tiles so the few touched
 experts' weights are spread over every SM; prefill shapes use larger BLOCK_M. Configs come
@@ -55,7 +58,7 @@ def dense_config(num_tokens: int, n: int, fmt: str) -> dict:
     """Shared-expert launches at decode sizes (the caller keeps larger T on cuBLAS): narrow
     N tiles so a single expert's rows still spread over ~1 wave of programs."""
     block_m, block_n = (16, 16) if num_tokens <= 16 else (32, 32)
-    block_k = {"bf16": 64, "fp8": 128, "mxfp4": 64}[fmt]
+    block_k = {"bf16": 64, "fp8": 128, "mxfp4": 128}[fmt]
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4)
 
 
@@ -68,9 +71,13 @@ def default_config(num_pairs: int, num_experts: int, fmt: str) -> dict:
         block_m, block_n, warps, stages = 32, 64, 4, 3
     else:
         block_m, block_n, warps, stages = 64, 128, 8, 3
-    # MXFP4: four 32-wide scale groups per K step at decode tiles (more bytes in flight,
-    # a quarter of the loop steps); two on larger tiles, where registers run short.
-    block_k = {"bf16": 64, "fp8": 128, "mxfp4": 128 if block_m == 16 else 64}[fmt]
+    block_k = {"bf16": 64, "fp8": 128, "mxfp4": 128}[fmt]
+    if fmt == "mxfp4":
+        # Two bf16 dots of depth BLOCK_K/2 per step; the decode (not the dot) is the cost,
+        # so decode tiles stay narrow (more programs streaming weights), and the 64-row
+        # tile keeps BLOCK_K 64 so the decoded [BLOCK_K/2, BLOCK_N] halves fit registers.
+        block_n = 32 if block_m == 16 else block_n
+        block_k = 64 if block_m == 64 else 128
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
                 num_warps=warps, num_stages=stages)  # fmt: skip
 
@@ -178,7 +185,7 @@ def fused_moe(
     s2, *s2_strides = _scale_args(w2, w2_scale, expert_dim=True)
     launch = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
     meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                F32_DOT=interpreting())  # fmt: skip
+                F32_DOT=interpreting(), MXFP4_ASM=cfg.get("MXFP4_ASM", True))  # fmt: skip
     pairs, groups = align.sorted_pairs, align.block_expert
 
     moe_gate_up_kernel[(max_blocks, triton.cdiv(i, cfg["BLOCK_N"]))](

@@ -1,8 +1,12 @@
 import pytest
 import torch
+import triton
+import triton.language as tl
 
 from kernels.reference.fused_moe import fused_moe_reference
-from kernels.reference.quant_formats import random_fp8_block, random_mxfp4
+from kernels.reference.quant_formats import dequant_mxfp4, random_fp8_block, random_mxfp4
+from kernels.triton._common import interpreting
+from kernels.triton._fused_moe_kernels import _mxfp4_weights
 from kernels.triton.fused_moe import SharedExpert, fused_moe
 from kernels.triton.moe_align import moe_align, moe_align_torch
 from tests.kernels._helpers import DEVICE, gpu_only, rel_err
@@ -103,13 +107,55 @@ def test_fused_moe_matches_expert_loop(fmt, t, a):
     assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
 
 
-@pytest.mark.parametrize("block_k", [32, 128])
+@pytest.mark.parametrize("block_k", [32, 128, 256])
 def test_fused_moe_mxfp4_wide_k_steps(block_k):
-    # K = 96 is not a multiple of a 128 step: its last 32-group is masked
+    # K = 96 is not a multiple of a 128 or 256 step: its last groups are masked
     args, kw = make_moe(5, d=96, i=96, e=3, a=2, fmt="mxfp4", seed=block_k)
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k, num_warps=4, num_stages=2)
     out = fused_moe(*args, **kw, config=cfg)
     assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
+
+
+@triton.jit
+def _decode_kernel(b_ptr, s_ptr, lo_ptr, hi_ptr, F32_DOT: tl.constexpr, ASM: tl.constexpr):
+    """codes [32, 16] (2 groups of 16 bytes x 16 rows), scales [2, 16] -> lo, hi [32, 16]."""
+    g = tl.arange(0, 2)[:, None, None]
+    r = tl.arange(0, 16)[None, :, None]
+    n = tl.arange(0, 16)[None, None, :]
+    b = tl.load(b_ptr + (g * 16 + r) * 16 + n)
+    s = tl.load(s_ptr + tl.arange(0, 2)[:, None] * 16 + tl.arange(0, 16)[None, :])
+    f = ((tl.minimum(s.to(tl.int32), 128) + 126) << 7).to(tl.int16)
+    lo, hi = _mxfp4_weights(b, f.to(tl.bfloat16, bitcast=True)[:, None, :], F32_DOT, ASM)
+    out = tl.arange(0, 32)[:, None] * 16 + tl.arange(0, 16)[None, :]
+    tl.store(lo_ptr + out, lo.to(tl.float32))
+    tl.store(hi_ptr + out, hi.to(tl.float32))
+
+
+@pytest.mark.parametrize("asm", [False, pytest.param(True, marks=[pytest.mark.gpu, gpu_only])])
+def test_mxfp4_decode_is_exact_for_every_code_and_scale(asm):
+    # Every byte value (both nibbles, all 16 codes incl. the subnormal 0.5 and -0) against
+    # every kind of E8M0 scale the decode covers: 0 (2^-127, results subnormal), small,
+    # 2^0 and the largest exact one, 2^1.
+    codes = torch.arange(512).remainder(256).to(torch.uint8).view(32, 16)  # [k/2, n]
+    scales = torch.tensor([0, 1, 60, 100, 118, 121, 127, 128] * 4, dtype=torch.uint8)
+    scales = scales.view(2, 16)  # [group, n]
+    lo = torch.empty(32, 16, device=DEVICE)
+    hi = torch.empty(32, 16, device=DEVICE)
+    _decode_kernel[(1,)](codes.to(DEVICE), scales.to(DEVICE), lo, hi,
+                         F32_DOT=interpreting(), ASM=asm)  # fmt: skip
+    ref = dequant_mxfp4(codes.t().contiguous(), scales.t().contiguous()).t()  # [k, n]
+    assert torch.equal(lo.cpu(), ref[0::2]) and torch.equal(hi.cpu(), ref[1::2])
+
+
+@pytest.mark.parametrize("act_dtype", [torch.bfloat16, torch.float16])
+def test_fused_moe_mxfp4_empty_experts_and_fp16_activations(act_dtype):
+    # 2 tokens x 2 of 8 experts: most experts get no pair, their tiles are skipped
+    args, kw = make_moe(2, d=64, i=64, e=8, a=2, fmt="mxfp4", seed=11)
+    args[0] = args[0].to(act_dtype)
+    out = fused_moe(*args, **kw)
+    assert out.dtype == act_dtype
+    ref = fused_moe_reference(args[0].to(torch.bfloat16), *args[1:], **kw)
+    assert rel_err(out, ref) < 2e-2
 
 
 def test_fused_moe_fp8_e8m0_scales_and_default_config():
@@ -128,7 +174,7 @@ def test_fused_moe_rejects_wrong_scale_shape():
 @pytest.mark.gpu
 @gpu_only
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
-@pytest.mark.parametrize("t", [1, 8, 64, 300])
+@pytest.mark.parametrize("t", [1, 8, 64, 300, 1500])
 def test_fused_moe_gpu_sizes(fmt, t):
     args, kw = make_moe(t, d=2048, i=1408 if fmt != "mxfp4" else 1024, e=64, a=6, fmt=fmt, seed=t)
     out = fused_moe(*args, **kw)
