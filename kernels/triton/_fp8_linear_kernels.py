@@ -1,6 +1,8 @@
-"""Triton bodies for fp8_linear.py.
+"""Triton bodies for fp8_linear.py: a GEMV kernel for decode-sized M (float32 FMAs, no
+tensor cores), the tl.dot kernel for larger M, activation quantization for the native FP8
+path and the dot kernel's split-K reduce.
 
-Tiles: BLOCK_K divides 128, so each K step lies in one 128-wide scale block and the scale
+Dot kernel tiles: BLOCK_K divides 128, so each K step lies in one 128-wide scale block and the scale
 is applied to the partial product (acc += (x @ q) * s[n_block]), not per weight element:
 the E4M3 -> bf16 convert is exact and the only per-element work on the weight.
 """
@@ -126,3 +128,129 @@ def splitk_reduce_kernel(
     for s in tl.static_range(SPLIT):
         acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
     tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit
+def fp8_gemv_kernel(
+    # pointers
+    x_ptr,  # [M, K] bf16/fp16, M <= M_PAD
+    w_ptr,  # [N, K] E4M3 codes (an int8 view when BIT_DECODE)
+    ws_ptr,  # [ceil(N/128), ceil(K/128)] float32 or E8M0 uint8
+    y_ptr,  # [M, N] x's dtype
+    part_ptr,  # [SPLIT_K, M, N] float32 partial sums (SPLIT_K > 1 only)
+    count_ptr,  # [cdiv(N, BLOCK_N)] int32 arrival counters, zero on entry and on exit
+    # sizes
+    M,
+    N,
+    K,
+    # strides
+    stride_xm,
+    stride_wn,
+    stride_wsn,
+    stride_ym,
+    # meta-parameters
+    SCALE_E8M0: tl.constexpr,
+    M_PAD: tl.constexpr,
+    BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    VEC: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BIT_DECODE: tl.constexpr,
+):
+    """y = x @ W^T for a few rows x, without tensor cores: decode-sized M multiplies each
+    weight M times, so FMAs in registers beat a 16-row MMA tile of which M rows are used.
+
+    A program owns BLOCK_N weight rows and 1/SPLIT_K of K. Each step it loads a
+    [BLOCK_N, BLOCK_K] tile of codes viewed as [BLOCK_N, CHUNKS, VEC]: a thread holds VEC
+    contiguous bytes of one row (a 16-byte vector load at VEC = 16), so the sum over the
+    last axis stays in the thread and the cross-thread reduction runs once, after the loop.
+    A chunk lies in one 128-wide scale block (VEC divides 128), so the block scale
+    multiplies the chunk's partial dot, not each weight.
+
+    SPLIT_K > 1: each program stores its float32 partial, then counts itself in; the last
+    of a row block's SPLIT_K programs sums the partials in split order (deterministic) and
+    writes y, all in this one launch (no zero-fill, no reduce launch)."""
+    CHUNKS: tl.constexpr = BLOCK_K // VEC
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    offs_m = tl.arange(0, M_PAD)
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_c = tl.arange(0, CHUNKS) * VEC
+    offs_v = tl.arange(0, VEC)
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    k_steps = tl.cdiv(K, BLOCK_K)
+    steps_per_split = tl.cdiv(k_steps, SPLIT_K)
+    step_lo = pid_k * steps_per_split
+    step_hi = tl.minimum(step_lo + steps_per_split, k_steps)
+
+    # The product is 4-D [M_PAD, BLOCK_N, CHUNKS, VEC]. The weights are loaded 4-D (unit M
+    # axis) and the activations 3-D, then expanded: that makes the weight load's layout (VEC
+    # contiguous bytes per thread) the one the product and the sum over VEC use, and only
+    # the small activation tile is moved between layouts (loading both 4-D let the compiler
+    # pick the activations' layout and shuffle the float32 weights through shared memory).
+    w_rows = w_ptr + offs_n[None, :, None, None] * stride_wn  # [1, BLOCK_N, 1, 1]
+    x_rows = x_ptr + offs_m[:, None, None] * stride_xm  # [M_PAD, 1, 1]
+    ws_rows = ws_ptr + (offs_n // 128)[:, None] * stride_wsn  # [BLOCK_N, 1]
+    offs_kw = offs_c[None, None, :, None] + offs_v[None, None, None, :]  # [1, 1, CHUNKS, VEC]
+    mask_wn = mask_n[None, :, None, None]
+    k_next = step_lo * BLOCK_K + offs_kw
+    q_next = tl.load(w_rows + k_next, mask=mask_wn & (k_next < K), other=0.0)
+    acc = tl.zeros((M_PAD, BLOCK_N, CHUNKS), dtype=tl.float32)
+    for step in range(step_lo, step_hi):
+        q = q_next
+        # The next step's codes are requested before this step's math: two tiles in flight
+        # per program (Triton pipelines only loads that feed tl.dot). The last step reloads
+        # its own tile (an L1 hit): a mask on the runtime bound step_hi instead would lose
+        # the 16-byte vector loads, which need masks constant over 16 bytes (K % 16 == 0).
+        k_next = tl.minimum(step + 1, step_hi - 1) * BLOCK_K + offs_kw
+        q_next = tl.load(w_rows + k_next, mask=mask_wn & (k_next < K), other=0.0)
+        k_chunk = step * BLOCK_K + offs_c  # [CHUNKS] first k of each chunk
+        if BIT_DECODE:
+            # E4M3 s|eeee|mmm sign-extended and shifted left 20 puts eeee|mmm where float32
+            # keeps its low exponent and top mantissa bits and copies s into bits 27..31;
+            # clearing 27..30 leaves s|0000eeee|mmm0..0 = the code's value * 2^-120, exact
+            # for normals, subnormals and zero (3 integer ops, no convert instruction).
+            # -2014314496 is the mask 0x87F00000 as an int32.
+            w = ((q.to(tl.int32) << 20) & -2014314496).to(tl.float32, bitcast=True)
+        else:
+            w = q.to(tl.float32)  # [1, BLOCK_N, CHUNKS, VEC]
+        kx = k_chunk[None, :, None] + offs_v[None, None, :]  # [1, CHUNKS, VEC]
+        xk = tl.load(x_rows + kx, mask=mask_m[:, None, None] & (kx < K), other=0.0)
+        xk = xk.to(tl.float32)[:, None, :, :]  # [M_PAD, 1, CHUNKS, VEC]
+        part = tl.sum(w * xk, axis=3)  # [M_PAD, BLOCK_N, CHUNKS]
+        s = tl.load(
+            ws_rows + (k_chunk // 128)[None, :],
+            mask=mask_n[:, None] & (k_chunk < K)[None, :],
+            other=0,
+        )  # [BLOCK_N, CHUNKS]
+        if SCALE_E8M0:
+            s = e8m0_to_f32(s)
+        if BIT_DECODE:
+            # Half of the 2^120 here, half after the loop: the running sums stay far from
+            # the float32 subnormals; scales up to 2^67 stay finite.
+            s = s * 1.152921504606847e18  # 2^60
+        acc += part * s[None, :, :]
+    if BIT_DECODE:
+        acc = acc * 1.152921504606847e18  # 2^60
+    y = tl.sum(acc, axis=2)  # [M_PAD, BLOCK_N]
+
+    mask_y = mask_m[:, None] & mask_n[None, :]
+    y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
+    if SPLIT_K == 1:
+        tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_y)
+    else:
+        mn = offs_m[:, None] * N + offs_n[None, :]
+        tl.store(part_ptr + pid_k * M * N + mn, y, mask=mask_y)
+        # Every thread's partial is stored before the one atomic that publishes them
+        # (release); the last arriver's acquire makes all SPLIT_K partials visible to it.
+        tl.debug_barrier()
+        arrived = tl.atomic_add(count_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == SPLIT_K - 1:
+            total = tl.zeros((M_PAD, BLOCK_N), dtype=tl.float32)
+            for split in tl.static_range(SPLIT_K):
+                total += tl.load(
+                    part_ptr + split * M * N + mn, mask=mask_y, other=0.0, cache_modifier=".cg"
+                )
+            tl.store(y_ptrs, total.to(y_ptr.dtype.element_ty), mask=mask_y)
+            tl.store(count_ptr + pid_n, 0)  # zero again for the next launch on this stream

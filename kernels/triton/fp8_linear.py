@@ -6,9 +6,15 @@ never writes a bf16 weight to memory; it runs on any GPU Triton supports (Ampere
 `native_fp8=True` (Hopper and newer) quantizes the activations per token per 128 block and
 multiplies E4M3 x E4M3 on the tensor cores, behind the same call.
 
-Decode shapes (small M) are bandwidth-bound: the grid splits N and, when N alone gives too
-few programs to keep every SM streaming, also K (float32 partials summed and cast by one
-small launch afterwards, so the result is deterministic).
+Decode shapes (M <= 8: the engine's decode steps) are bandwidth-bound and take a GEMV
+kernel by default: no tensor cores, each thread streams 16 contiguous code bytes per row
+and multiplies them into the few activation rows with float32 FMAs. When N alone gives
+too few programs to keep every SM streaming it also splits K, and the last program of each
+row block sums the float32 partials in the same launch (arrival counters). Larger M
+(prefill) uses the tl.dot kernel; its split-K partials are summed by one small launch.
+
+The config (tuned table, else `default_config`) picks the kernel: "KERNEL": "gemv" or
+"dot" (tables written before the GEMV existed have no key and mean "dot").
 """
 
 from __future__ import annotations
@@ -17,14 +23,20 @@ import torch
 import triton
 
 from kernels.triton import configs
-from kernels.triton._common import check_device, interpreting
+from kernels.triton._arrival_counters import arrival_counters
+from kernels.triton._common import check_device, interpreting, next_pow2
 from kernels.triton._fp8_linear_kernels import (
     act_quant_kernel,
     fp8_block_linear_kernel,
+    fp8_gemv_kernel,
     splitk_reduce_kernel,
 )
 
 OP = "fp8_linear"
+# Largest M the GEMV kernel takes: its registers grow with M (M accumulators per chunk),
+# and past ~8 rows a 16-row MMA tile wastes little. The default uses it up to GEMV_DEFAULT_M.
+GEMV_MAX_M = 16
+GEMV_DEFAULT_M = 8
 
 
 def _sm_count(device: torch.device) -> int:
@@ -33,8 +45,28 @@ def _sm_count(device: torch.device) -> int:
     return 4
 
 
-def default_config(m: int, n: int, k: int, device: torch.device) -> dict:
+def default_gemv_config(m: int, n: int, k: int, device: torch.device) -> dict:
+    """GEMV heuristic: 32 rows x 256 bytes per step (8 KB, 64 B per thread at 4 warps), and
+    split K until there are ~4 programs per SM, each still streaming at least 2 steps."""
+    block_n, block_k = 32, 256
+    n_tiles = triton.cdiv(n, block_n)
+    k_steps = triton.cdiv(k, block_k)
+    split = max(1, min(triton.cdiv(4 * _sm_count(device), n_tiles), k_steps // 2))
+    return dict(
+        KERNEL="gemv",
+        BLOCK_N=block_n,
+        BLOCK_K=block_k,
+        VEC=16,
+        SPLIT_K=split,
+        BIT_DECODE=False,
+        num_warps=4,
+    )
+
+
+def default_config(m: int, n: int, k: int, device: torch.device, native_fp8: bool = False) -> dict:
     """Heuristic used when the tuned table has no entry for this shape."""
+    if m <= GEMV_DEFAULT_M and not native_fp8:
+        return default_gemv_config(m, n, k, device)
     if m <= 32:
         block_m, block_n, block_k = 16, 64, 128
         n_tiles = triton.cdiv(n, block_n)
@@ -42,6 +74,7 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> dict:
         # Enough programs for ~4 waves of one per SM; each split still streams >= 4 steps.
         split = max(1, min(triton.cdiv(4 * _sm_count(device), n_tiles), k_steps // 4))
         return dict(
+            KERNEL="dot",
             BLOCK_M=block_m,
             BLOCK_N=block_n,
             BLOCK_K=block_k,
@@ -50,7 +83,15 @@ def default_config(m: int, n: int, k: int, device: torch.device) -> dict:
             num_stages=4,
         )
     block_m = 64 if m <= 64 else 128
-    return dict(BLOCK_M=block_m, BLOCK_N=128, BLOCK_K=128, SPLIT_K=1, num_warps=8, num_stages=3)
+    return dict(
+        KERNEL="dot",
+        BLOCK_M=block_m,
+        BLOCK_N=128,
+        BLOCK_K=128,
+        SPLIT_K=1,
+        num_warps=8,
+        num_stages=3,
+    )
 
 
 def shape_key(m: int, n: int, k: int, native_fp8: bool) -> str:
@@ -59,7 +100,9 @@ def shape_key(m: int, n: int, k: int, native_fp8: bool) -> str:
 
 def choose_config(m: int, n: int, k: int, device: torch.device, native_fp8: bool) -> dict:
     cfg = configs.lookup(OP, shape_key(m, n, k, native_fp8), device)
-    return cfg if cfg is not None else default_config(m, n, k, device)
+    if cfg is not None and (cfg.get("KERNEL") != "gemv" or m <= GEMV_MAX_M):
+        return cfg
+    return default_config(m, n, k, device, native_fp8)
 
 
 def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -106,6 +149,10 @@ def fp8_block_linear(
     if m == 0:
         return y.reshape(*lead, n)
     cfg = dict(config) if config is not None else choose_config(m, n, k, x.device, native_fp8)
+    if cfg.get("KERNEL", "dot") == "gemv":
+        assert not native_fp8, "the GEMV kernel multiplies in float32: no native FP8 path"
+        _launch_gemv(x2, weight, scale, y, cfg)
+        return y.reshape(*lead, n)
     assert 128 % cfg["BLOCK_K"] == 0, f"BLOCK_K must divide 128, got {cfg['BLOCK_K']}"
 
     if native_fp8:
@@ -132,3 +179,38 @@ def fp8_block_linear(
             out, y, numel, SPLIT=split, BLOCK=1024, num_warps=4
         )
     return y.reshape(*lead, n)
+
+
+def _launch_gemv(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: torch.Tensor, cfg: dict
+) -> None:
+    """y [M, N] = x [M, K] @ dequant(weight)^T through fp8_gemv_kernel (M <= GEMV_MAX_M)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    assert m <= GEMV_MAX_M, f"the GEMV kernel takes M <= {GEMV_MAX_M}, got {m}"
+    block_n, block_k, vec = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.get("VEC", 16)
+    assert 128 % vec == 0 and block_k % vec == 0, (
+        f"VEC must divide 128 and BLOCK_K, got VEC={vec}, BLOCK_K={block_k}"
+    )
+    n_tiles = triton.cdiv(n, block_n)
+    k_steps = triton.cdiv(k, block_k)
+    # Splits take cdiv(k_steps, SPLIT_K) steps each; drop the ones that would get none.
+    split = triton.cdiv(k_steps, triton.cdiv(k_steps, max(1, min(cfg["SPLIT_K"], k_steps))))
+    if split > 1:
+        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+        counts = arrival_counters(x.device, n_tiles)
+    else:
+        part = counts = y  # unused when SPLIT_K == 1
+    bit_decode = bool(cfg.get("BIT_DECODE", False))
+    codes = weight.view(torch.int8) if bit_decode else weight
+    fp8_gemv_kernel[(n_tiles, split)](
+        x, codes, scale, y, part, counts,
+        m, n, k,
+        x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
+        SCALE_E8M0=scale.dtype == torch.uint8,
+        M_PAD=next_pow2(m),
+        BLOCK_N=block_n, BLOCK_K=block_k, VEC=vec,
+        SPLIT_K=split,
+        BIT_DECODE=bit_decode,
+        num_warps=cfg.get("num_warps", 4),
+    )  # fmt: skip

@@ -3,7 +3,8 @@ import torch
 
 from kernels.reference.fp8_linear import act_quant_reference, fp8_block_linear_reference
 from kernels.reference.quant_formats import random_fp8_block
-from kernels.triton.fp8_linear import act_quant, fp8_block_linear
+from kernels.triton._arrival_counters import arrival_counters
+from kernels.triton.fp8_linear import act_quant, default_config, fp8_block_linear
 from tests.kernels._helpers import DEVICE, gpu_only, rel_err
 
 
@@ -23,10 +24,72 @@ def test_fp8_linear_matches_reference(m, n, k, scale_dtype):
     assert rel_err(y, fp8_block_linear_reference(x, q, s)) < 1e-2
 
 
+def _gemv(block_n, block_k, split_k, bit_decode, vec=16):
+    return dict(KERNEL="gemv", BLOCK_N=block_n, BLOCK_K=block_k, VEC=vec, SPLIT_K=split_k,
+                BIT_DECODE=bit_decode, num_warps=4)  # fmt: skip
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 6, 7, 8])
+def test_fp8_gemv_every_decode_m(m):
+    # N and K off the 128 block (partial scale blocks, partial tiles); K a multiple of 16.
+    x, q, s = _case(m, 150, 272, torch.float32, seed=100 + m)
+    y = fp8_block_linear(x, q, s, config=_gemv(32, 64, 2, False))
+    assert y.shape == (m, 150) and y.dtype == torch.bfloat16
+    assert rel_err(y, fp8_block_linear_reference(x, q, s)) < 1e-2
+
+
+@pytest.mark.parametrize("bit_decode", [False, True])
+@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.uint8])
+@pytest.mark.parametrize("split_k,block_k,vec", [(1, 128, 16), (3, 32, 16), (5, 64, 32)])
+def test_fp8_gemv_decodes_splits_and_scales(bit_decode, scale_dtype, split_k, block_k, vec):
+    x, q, s = _case(3, 136, 400, scale_dtype, seed=split_k * 13 + block_k)
+    y = fp8_block_linear(x, q, s, config=_gemv(16, block_k, split_k, bit_decode, vec))
+    assert rel_err(y, fp8_block_linear_reference(x, q, s)) < 1e-2
+
+
+def test_fp8_gemv_bit_decode_covers_every_code():
+    # All 254 finite E4M3 codes (subnormals, zero, both signs) in one row: the integer
+    # decode must equal the format's value for each, not only for typical weights.
+    codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
+    finite = codes[(codes & 0x7F) != 0x7F]
+    q = finite.view(torch.float8_e4m3fn).repeat(16)[None, :].repeat(2, 1)  # [2, 4064]
+    q = q[:, :4064].contiguous().to(DEVICE)
+    s = torch.full((1, 32), 0.5, dtype=torch.float32, device=DEVICE)
+    x = torch.eye(4064, dtype=torch.bfloat16, device=DEVICE)[:8]  # picks columns 0..7
+    for col in range(0, 254, 8):
+        xc = torch.roll(x, shifts=col, dims=1)
+        y = fp8_block_linear(xc, q, s, config=_gemv(16, 128, 1, True))
+        assert torch.equal(y.float(), fp8_block_linear_reference(xc, q, s).float()), col
+
+
+def test_fp8_gemv_split_k_one_launch_is_deterministic_and_resets_counters():
+    x, q, s = _case(4, 200, 512, torch.uint8, seed=5)
+    cfg = _gemv(32, 64, 4, False)
+    first = fp8_block_linear(x, q, s, config=cfg)
+    # The last arriver zeroes its counter: the next call (a graph replay) starts from zero.
+    assert int(arrival_counters(x.device, 7).abs().sum()) == 0
+    again = fp8_block_linear(x, q, s, config=cfg)
+    assert torch.equal(first, again)  # partials summed in split order, not arrival order
+    assert rel_err(first, fp8_block_linear_reference(x, q, s)) < 1e-2
+
+
+def test_fp8_linear_default_path_by_m():
+    cpu = torch.device("cpu")
+    assert default_config(8, 3072, 2048, cpu)["KERNEL"] == "gemv"
+    assert default_config(9, 3072, 2048, cpu)["KERNEL"] == "dot"
+    assert default_config(1, 3072, 2048, cpu, native_fp8=True)["KERNEL"] == "dot"
+    # The engine's call (no config) takes the default and matches the reference.
+    x, q, s = _case(2, 96, 208, torch.float32, seed=9)
+    assert rel_err(fp8_block_linear(x, q, s), fp8_block_linear_reference(x, q, s)) < 1e-2
+
+
 @pytest.mark.parametrize("split_k", [1, 3])
 def test_fp8_linear_split_k_and_small_tiles(split_k):
     x, q, s = _case(3, 96, 384, torch.float32, seed=split_k)
-    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=split_k, num_warps=4, num_stages=2)
+    cfg = dict(
+        KERNEL="dot", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, SPLIT_K=split_k, num_warps=4,
+        num_stages=2,
+    )  # fmt: skip
     y = fp8_block_linear(x, q, s, config=cfg)
     assert rel_err(y, fp8_block_linear_reference(x, q, s)) < 1e-2
 
@@ -50,9 +113,20 @@ def test_fp8_linear_rejects_bad_scale_shape():
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("m", [1, 8, 64, 512])
+@pytest.mark.parametrize("m", [1, 3, 8, 64, 512])
 @pytest.mark.parametrize("native", [False, True])
 def test_fp8_linear_gpu_sizes(m, native):
     x, q, s = _case(m, 4096, 7168, torch.float32, seed=m)
     y = fp8_block_linear(x, q, s, native_fp8=native)
     assert rel_err(y, fp8_block_linear_reference(x, q, s)) < (6e-2 if native else 1e-2)
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("n,k", [(576, 2048), (2048, 11264), (22528, 2048), (1000, 1040)])
+@pytest.mark.parametrize("split_k,bit_decode", [(1, False), (4, True), (8, False)])
+def test_fp8_gemv_gpu_engine_shapes(n, k, split_k, bit_decode):
+    x, q, s = _case(8, n, k, torch.uint8, seed=n + split_k)
+    y = fp8_block_linear(x, q, s, config=_gemv(32, 256, split_k, bit_decode))
+    assert rel_err(y, fp8_block_linear_reference(x, q, s)) < 1e-2
+    assert torch.equal(y, fp8_block_linear(x, q, s, config=_gemv(32, 256, split_k, bit_decode)))
