@@ -225,7 +225,7 @@ def _moe_candidates(base: dict) -> list[dict]:
 def _mxfp4_candidates(base: dict) -> list[dict]:
     """MXFP4: the K step (two bf16 dots of BLOCK_K/2 per step), the N tile (how many programs
     stream weights) and the stages (bytes in flight); and the base with the plain-Triton
-    nibble decode (MXFP4_ASM off), so the JSON records what the PTX decode buys."""
+    nibble decode (MXFP4_ASM off), which the table keeps should it ever win."""
     out = [base, dict(base, MXFP4_ASM=False)]
     for bk, bn, stages in itertools.product((64, 128, 256), (32, 64, 128), (3, 4)):
         cand = dict(base, BLOCK_K=bk, BLOCK_N=bn, num_stages=stages)
