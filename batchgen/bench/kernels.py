@@ -52,6 +52,15 @@ MOE_CASES = [
 ]
 LINEAR_SHAPES = [(18432, 7168), (7168, 18432), (32768, 4096), (4096, 32768)]  # (N, K)
 LINEAR_TOKENS = (1, 8, 64, 512)
+# The engine's FP8 linears on Moonlight (hidden 2048): q_proj, kv_a, o_proj, the dense MLP's
+# gate+up and down. Only the default path (the engine never asks for native FP8).
+ENGINE_LINEAR_SHAPES = [(3072, 2048), (576, 2048), (2048, 2048), (22528, 2048), (2048, 11264)]
+ENGINE_LINEAR_TOKENS = (1, 2, 4, 8, 64)
+# Calls are timed as a chain over copies of the weight that together exceed the 50 MB L2
+# (as in a decode step, where each layer's weights come from HBM), in one CUDA graph (as
+# the engine replays them): per-launch gaps are counted, host launch cost is not.
+LINEAR_CHAIN_BYTES = 160e6
+LINEAR_CHAIN_MAX = 128
 
 
 def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 150) -> float:
@@ -172,40 +181,102 @@ def bench_moe(
     return rows, tuned
 
 
-def bench_linear(n: int, k: int, copy_bps: float, device, tune: bool) -> tuple[list[dict], dict]:
+def bench_linear(
+    n: int,
+    k: int,
+    copy_bps: float,
+    device,
+    tune: bool,
+    tokens: tuple[int, ...] = LINEAR_TOKENS,
+    natives: tuple[bool, ...] = (False, True),
+) -> tuple[list[dict], dict]:
     from kernels.reference.quant_formats import dequant_fp8_block, random_fp8_block
-    from kernels.triton.fp8_linear import default_config, shape_key
+    from kernels.triton.fp8_linear import choose_config, default_config, shape_key
 
     q, s = random_fp8_block((n, k), device=device)
+    per_copy = n * k + s.numel() * 4
+    copies = max(2, min(LINEAR_CHAIN_MAX, math.ceil(LINEAR_CHAIN_BYTES / per_copy)))
+    weights = [(q, s)] + [(q.clone(), s.clone()) for _ in range(copies - 1)]
     rows, tuned = [], {}
-    for m in LINEAR_TOKENS:
+    for m in tokens:
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-        nbytes = n * k + s.numel() * 4 + m * k * 2 + m * n * 2
-        for native in (False, True):
-            cfg = default_config(m, n, k, device)
+        nbytes = per_copy + m * k * 2 + m * n * 2
+        for native in natives:
+            # Untuned: what the engine gets today (the committed table, else the heuristic).
+            cfg = choose_config(m, n, k, device, native)
             if tune and m <= TUNE_MAX_TOKENS:
-                cands = _linear_candidates(m, cfg)
-                cfg = _tune(
-                    lambda c, x=x, nat=native: graphed([_linear_call(x, q, s, nat, c)]), cands
-                )
+                base = default_config(m, n, k, device, native)
+                time_cfg = functools.partial(_time_linear_chain, x, weights, native, warm=False)
+                cfg = _tune_linear(time_cfg, base, m, n, k, native)
                 tuned[shape_key(m, n, k, native)] = cfg
-            ms = time_graphed([_linear_call(x, q, s, native, cfg)])
+            ms = _time_linear_chain(x, weights, native, cfg)
             # The same dequantize + F.linear a plain torch layer does, graph-captured too.
-            ref_ms = time_graphed(
-                [lambda x=x: F.linear(x, dequant_fp8_block(q, s).to(torch.bfloat16))]
-            )
+            ref_ms = _time_chain(
+                [lambda x=x, w=w, ws=ws: F.linear(x, dequant_fp8_block(w, ws).to(torch.bfloat16))
+                 for w, ws in weights[:8]]
+            )  # fmt: skip
             label = f"{n}x{k} M={m}" + (" native" if native else "")
             row = _row("fp8_linear", label, nbytes, ms, ref_ms, copy_bps, cfg)
             row["tflops"] = 2 * m * n * k / (ms * 1e-3) / 1e12
+            row["chain"] = copies
             rows.append(row)
             print_rows([row])
     return rows, tuned
 
 
-def _linear_call(x, q, s, native, cfg):
+def _time_linear_chain(x, weights, native, cfg, warm=True) -> float:
+    """ms per fp8_block_linear call, each on its own weight copy, chained in one graph."""
     from kernels.triton.fp8_linear import fp8_block_linear
 
-    return lambda: fp8_block_linear(x, q, s, native, config=cfg)
+    calls = [functools.partial(fp8_block_linear, x, w, ws, native, config=cfg) for w, ws in weights]
+    return _time_chain(calls, warmup_ms=25 if warm else 5, rep_ms=150 if warm else 30)
+
+
+def _time_chain(calls: list, warmup_ms: int = 25, rep_ms: int = 150) -> float:
+    """Median ms per call of `calls` captured back to back in one CUDA graph."""
+    for call in calls:  # compile and allocate outside capture
+        call()
+    torch.cuda.synchronize()
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for call in calls:
+            call()
+    return median_ms(g.replay, warmup_ms=warmup_ms, rep_ms=rep_ms) / len(calls)
+
+
+def _tune_linear(time_cfg, base: dict, m: int, n: int, k: int, native: bool) -> dict:
+    """The fastest config for one (M, N, K): the heuristic, a few dot configs, and for the
+    GEMV first the tile (rows x K bytes per step, warps), then split-K and the decode on the
+    best tile. time_cfg(cfg) -> ms; a config that fails to compile or launch is skipped."""
+    timed: dict[str, float] = {}
+
+    def ms(cfg: dict) -> float:
+        key = json.dumps(cfg, sort_keys=True)
+        if key not in timed:
+            try:
+                timed[key] = time_cfg(cfg)
+            except Exception as err:  # a config can exceed registers or shared memory
+                print(f"  skip {cfg}: {type(err).__name__}")
+                timed[key] = float("inf")
+        return timed[key]
+
+    cands = [base] + _linear_candidates(m, base)
+    if not native and m <= TUNE_MAX_TOKENS:
+        tiles = [dict(_gemv_base(m, n, k), BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
+                 for bn, bk, w in ((16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 256, 4),
+                                   (64, 128, 4), (32, 512, 8))]  # fmt: skip
+        best_tile = min(tiles, key=ms)
+        k_steps = math.ceil(k / best_tile["BLOCK_K"])
+        splits = [sp for sp in (1, 2, 4, 6, 8, 16) if sp <= k_steps]
+        cands += tiles + [dict(best_tile, SPLIT_K=sp, BIT_DECODE=bit)
+                          for sp, bit in itertools.product(splits, (False, True))]  # fmt: skip
+    return min(cands, key=ms)
+
+
+def _gemv_base(m: int, n: int, k: int) -> dict:
+    from kernels.triton.fp8_linear import default_gemv_config
+
+    return default_gemv_config(m, n, k, torch.device("cuda"))
 
 
 def _row(op, case, nbytes, ms, ref_ms, copy_bps, cfg) -> dict:
@@ -235,13 +306,17 @@ def _mxfp4_candidates(base: dict) -> list[dict]:
 
 
 def _linear_candidates(m: int, base: dict) -> list[dict]:
-    out = [base]
+    """tl.dot configs (the GEMV ones are swept in _tune_linear)."""
+    from kernels.triton.fp8_linear import default_config
+
+    dot = base if base.get("KERNEL") == "dot" else default_config(32, 1, 1, torch.device("cuda"))
+    out = [dot]
     if m <= 32:
         for bn, split, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (4,)):
-            out.append(dict(base, BLOCK_N=bn, SPLIT_K=split, num_stages=stages))
+            out.append(dict(dot, BLOCK_N=bn, SPLIT_K=split, num_stages=stages))
     else:
         for bm, bn, warps in itertools.product((64, 128), (128, 256), (4, 8)):
-            out.append(dict(base, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, SPLIT_K=1))
+            out.append(dict(dot, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, SPLIT_K=1))
     return out
 
 
@@ -299,6 +374,12 @@ def run(
         if only and only not in f"linear {n}x{k}":
             continue
         r, t = bench_linear(n, k, copy_bps, device, tune)
+        rows += r
+        tables["fp8_linear"].update(t)
+    for n, k in ENGINE_LINEAR_SHAPES if linear else ():
+        if only and only not in f"linear {n}x{k} moonlight":
+            continue
+        r, t = bench_linear(n, k, copy_bps, device, tune, ENGINE_LINEAR_TOKENS, (False,))
         rows += r
         tables["fp8_linear"].update(t)
     print_table(copy_bps, rows)
