@@ -6,7 +6,7 @@ never writes a bf16 weight to memory; it runs on any GPU Triton supports (Ampere
 `native_fp8=True` (Hopper and newer) quantizes the activations per token per 128 block and
 multiplies E4M3 x E4M3 on the tensor cores, behind the same call.
 
-Decode shapes (M <= 8: the engine's decode steps) are bandwidth-bound and take a GEMV
+Decode shapes (M <= GEMV_MAX_M = 8: the engine's decode steps) are bandwidth-bound and take a GEMV
 kernel by default: no tensor cores, each thread streams 16 contiguous code bytes per row
 and multiplies them into the few activation rows with float32 FMAs. When N alone gives
 too few programs to keep every SM streaming it also splits K, and the last program of each
@@ -33,10 +33,10 @@ from kernels.triton._fp8_linear_kernels import (
 )
 
 OP = "fp8_linear"
-# Largest M the GEMV kernel takes: its registers grow with M (M accumulators per chunk),
-# and past ~8 rows a 16-row MMA tile wastes little. The default uses it up to GEMV_DEFAULT_M.
-GEMV_MAX_M = 16
-GEMV_DEFAULT_M = 8
+# Largest M the GEMV kernel takes: its registers grow with M (sm_90 build: ~245 per thread
+# at M=8 with 32-row tiles, spills at 16), and at 8 FMAs per weight byte it is near the
+# float32 FMA rate, where a 16-row MMA tile wastes little.
+GEMV_MAX_M = 8
 
 
 def _sm_count(device: torch.device) -> int:
@@ -65,7 +65,7 @@ def default_gemv_config(m: int, n: int, k: int, device: torch.device) -> dict:
 
 def default_config(m: int, n: int, k: int, device: torch.device, native_fp8: bool = False) -> dict:
     """Heuristic used when the tuned table has no entry for this shape."""
-    if m <= GEMV_DEFAULT_M and not native_fp8:
+    if m <= GEMV_MAX_M and not native_fp8:
         return default_gemv_config(m, n, k, device)
     if m <= 32:
         block_m, block_n, block_k = 16, 64, 128
