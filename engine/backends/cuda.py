@@ -48,6 +48,10 @@ MIN_DOT_K = 16  # tl.dot needs K >= 16; the decode kernel dots over the latent a
 # with it fused at every size: decode steps got faster at batch 1 and 32, batch 256's did
 # not and prefill slowed, which its narrow DENSE tiles explain (not timed in isolation).
 SHARED_FUSED_MAX_TOKENS = 64
+# Tokens up to which the router computes the float32 gate GEMV itself (one launch instead
+# of x.float(), cuBLAS's dot + split-K reduce and the router). Its programs re-read their
+# weight block per token (from L2), so larger T, arithmetic-bound, goes to cuBLAS.
+ROUTER_FUSED_MAX_TOKENS = 64
 
 
 # -- norms and dense linears ------------------------------------------------------------
@@ -82,32 +86,36 @@ class FusedExperts:
 
 
 def route(
-    spec: RouterSpec, logits: torch.Tensor, bias: torch.Tensor | None
+    spec: RouterSpec, x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] float32 -> (weights [T, K] float32, ids [T, K]) like select_experts."""
+    """x [T, D] -> (weights [T, K] float32, ids [T, K]) like DeepseekRouter.forward: the
+    logits x.float() @ W.float().T in float32."""
     if spec.topk_method == "group_limited_greedy" and spec.topk_group < spec.n_group:
         # The kernel scores a group by its top-2 sum (noaux_tc); V2's greedy groups use max.
-        return select_experts(logits, spec, bias)
-    from kernels.triton.moe_router import moe_route
+        return select_experts(F.linear(x.float(), gate_weight), spec, bias)
+    from kernels.triton.moe_router import moe_gate_route, moe_route
 
     grouped = spec.uses_groups and spec.topk_group < spec.n_group
-    ids, weights = moe_route(
-        logits.contiguous(),
-        spec.top_k,
-        bias if spec.uses_bias else None,
+    routing = dict(
+        top_k=spec.top_k,
+        bias=bias if spec.uses_bias else None,
         n_group=spec.n_group if grouped else 1,
         topk_group=spec.topk_group if grouped else 1,
         norm_topk_prob=spec.norm_topk_prob,
         routed_scaling_factor=spec.routed_scaling_factor,
         scoring=spec.scoring_func,
     )
+    if x.shape[0] <= ROUTER_FUSED_MAX_TOKENS:  # one launch: the GEMV inside the router
+        ids, weights = moe_gate_route(x.contiguous(), gate_weight.contiguous(), **routing)
+    else:
+        ids, weights = moe_route(F.linear(x.float(), gate_weight).contiguous(), **routing)
     return weights, ids
 
 
 def moe_forward(moe: DeepseekMoE, x: torch.Tensor) -> torch.Tensor:
     """DeepseekMoE.forward on CUDA: x [T, D] -> [T, D]."""
-    logits = F.linear(x.float(), moe.gate.weight)  # [T, E] float32, as the CPU router
-    weights, ids = route(moe.gate.spec, logits, moe.gate.e_score_correction_bias)
+    gate = moe.gate
+    weights, ids = route(gate.spec, x, gate.weight, gate.e_score_correction_bias)
     if moe.routing_recorder is not None:
         moe.routing_recorder.record(moe.layer_index, ids, moe.experts.bytes_per_expert())
     # At decode sizes the fused kernels add the shared expert into the routed experts'

@@ -1,4 +1,4 @@
-"""Torch twin of kernels/triton/moe_router.py, written after DeepSeek's Gate.forward."""
+"""Torch twins of kernels/triton/moe_router.py, written after DeepSeek's Gate.forward."""
 
 from __future__ import annotations
 
@@ -39,3 +39,11 @@ def moe_route_reference(
     if norm_topk_prob:
         weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
     return ids.to(torch.int32), weights * routed_scaling_factor
+
+
+def moe_gate_route_reference(
+    x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, **routing
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate in float32, as DeepSeek's Gate: logits = x.float() @ W.float().T."""
+    logits = x.float() @ gate_weight.float().t()  # [T, E]
+    return moe_route_reference(logits, top_k, **routing)
