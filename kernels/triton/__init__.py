@@ -7,6 +7,7 @@ Ops (all plain functions on tensors, shapes documented on each):
   fused_moe.fused_moe              routed experts (bf16 / FP8 block / MXFP4) in two launches
   moe_align.moe_align              tokens grouped by expert (the sort step of fused_moe)
   moe_router.moe_route             sigmoid / sqrtsoftplus, bias, group-limited top-k
+  moe_router.moe_gate_route        the same with the float32 gate GEMV inside (one launch)
   rmsnorm.rmsnorm                  RMSNorm with an optional fused residual add
   rope.apply_rope_                 rotary embedding in place, interleaved or neox layout
   mla_decode.mla_decode            absorbed MLA decode over a paged compressed cache
