@@ -27,6 +27,21 @@ def test_rmsnorm_matches_reference(rows, d, with_residual):
     assert rel_err(out, ref) < 1e-2
 
 
+@pytest.mark.parametrize("rows,d", [(1, 64), (4, 100)])
+def test_rmsnorm_adds_a_float32_x_into_a_bf16_residual(rows, d):
+    # The MoE's float32 accumulator as x: one rounding of x + residual, outputs bf16.
+    g = torch.Generator().manual_seed(rows + d)
+    x = torch.randn(rows, d, generator=g).to(DEVICE)
+    w = (1 + 0.1 * torch.randn(d, generator=g)).bfloat16().to(DEVICE)
+    res = torch.randn(rows, d, generator=g).bfloat16().to(DEVICE)
+    y, r = rmsnorm(x, w, 1e-6, res)
+    y_ref, r_ref = rmsnorm_reference(x, w, 1e-6, res)
+    assert y.dtype == r.dtype == torch.bfloat16
+    if DEVICE == "cuda":  # the interpreter truncates float32 -> bf16 instead of rounding
+        assert torch.equal(r, r_ref)
+    assert rel_err(r, r_ref) < 1e-2 and rel_err(y, y_ref) < 1e-2
+
+
 def _rope_case(t, h, r, seed):
     g = torch.Generator().manual_seed(seed)
     q_full = torch.randn(t, h, 16 + r, generator=g).bfloat16().to(DEVICE)
