@@ -51,7 +51,15 @@ def test_moe_align_groups_every_pair_once():
 
 @pytest.mark.parametrize(
     "t,a,e,block_m",
-    [(1, 6, 64, 16), (7, 3, 5, 4), (40, 6, 64, 16), (70, 8, 256, 64), (700, 6, 64, 64)],
+    [
+        (1, 6, 64, 16),  # one program
+        (7, 3, 5, 4),
+        (40, 6, 64, 16),  # chunks in parallel (count + place launches)
+        (70, 8, 256, 64),
+        (128, 6, 64, 16),  # batch-128 Moonlight decode
+        (333, 5, 40, 32),  # many chunks, E not a power of two
+        (700, 6, 64, 64),  # above KERNEL_MAX_PAIRS: the torch twin
+    ],
 )
 def test_moe_align_kernel_equals_torch_twin_and_zeroes(t, a, e, block_m):
     g = torch.Generator().manual_seed(t * 7 + e)
