@@ -200,12 +200,29 @@ def stack_experts(experts: RoutedExperts) -> FusedExperts | None:
         fmt, leaf = "fp8", gate.format.scale_name
     elif name == "mxfp4":
         fmt, leaf = "mxfp4", "scale"
+        _check_mxfp4_scales(experts)
     else:
         return None
     w13 = _stack_pair(gate, up, "weight")
     s13 = _stack_pair(gate, up, leaf) if leaf else None
     s2 = getattr(down, leaf) if leaf else None
     return FusedExperts(fmt, w13, down.weight, s13, s2)
+
+
+def _check_mxfp4_scales(experts: RoutedExperts) -> None:
+    """The fused kernel decodes MXFP4 exactly only up to a scale of 2^1 (|w| <= 12); a
+    checkpoint beyond that is refused by name rather than computed wrong."""
+    from kernels.triton.fused_moe import MXFP4_MAX_EXACT_SCALE
+
+    for proj in (experts.gate_proj, experts.up_proj, experts.down_proj):
+        largest = int(proj.scale.max())
+        if largest > MXFP4_MAX_EXACT_SCALE:
+            raise ValueError(
+                f"{proj.prefix}.scale: MXFP4 scale byte {largest} "
+                f"(2^{largest - 127}) is above the GPU kernel's exact range "
+                f"(<= {MXFP4_MAX_EXACT_SCALE}, 2^1); weights this large are not expected "
+                "in a real checkpoint"
+            )
 
 
 def _format_of(linear: torch.nn.Module) -> tuple[str, str | None] | None:

@@ -39,6 +39,9 @@ from kernels.triton._fused_moe_kernels import moe_down_kernel, moe_gate_up_kerne
 from kernels.triton.moe_align import moe_align
 
 OP = "fused_moe"
+# The largest E8M0 scale byte (2^1) the MXFP4 decode is exact for; callers check their
+# checkpoint's scales against it once at load (engine/backends/cuda.py).
+MXFP4_MAX_EXACT_SCALE = 128
 WEIGHT_FORMATS = {"bf16": 0, "fp8": 1, "mxfp4": 3}
 
 

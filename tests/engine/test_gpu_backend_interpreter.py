@@ -120,3 +120,14 @@ def test_float32_decode_path_is_exact(tmp_path):
     attn.kv_cache.copy_(cache)
     got = backend.mla_decode_forward(attn, x, positions, ctx)
     assert relative_error(got, want) < 1e-5
+
+
+def test_mxfp4_scales_beyond_the_kernels_exact_range_are_refused(tmp_path):
+    make_random_checkpoint(
+        tmp_path, preset="tiny", expert_dtype="mxfp4", seed=6, device="cpu", mtp=False
+    )
+    model = _bf16_model(tmp_path)
+    experts = next(m for m in model.modules() if isinstance(m, DeepseekMoE)).experts
+    experts.down_proj.scale.data[0, 0, 0] = 129  # 2^2: beyond the bf16-folded decode
+    with pytest.raises(ValueError, match=r"down_proj\.scale: MXFP4 scale byte 129"):
+        backend.prepare_model(model, torch.bfloat16, 64)
