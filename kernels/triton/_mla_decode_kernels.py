@@ -104,7 +104,7 @@ def mla_decode_kernel(
     # which balances the tiles one split streams against the partials the last one merges.
     # Every program of the sequence computes the same `active`.
     tiles = tl.cdiv(ctx, BLOCK_T)
-    active = tl.sqrt((2 * tiles).to(tl.float32)).to(tl.int32)
+    active = tl.sqrt_rn((2 * tiles).to(tl.float32)).to(tl.int32)  # IEEE: floor exact at squares
     active = tl.minimum(tl.maximum(active, 1), NUM_SPLITS)
     chunk = tl.maximum(tl.cdiv(tiles, active), 1) * BLOCK_T
     active = tl.maximum(tl.cdiv(ctx, chunk), 1)
