@@ -85,58 +85,7 @@ def _mxfp4_weights(b, f, F32_DOT: tl.constexpr, ASM: tl.constexpr):
 
 
 @triton.jit
-def _mxfp4_step(
-    acc,
-    a_ptr,  # [BLOCK_M] pointers to a[row, 0]
-    mask_m,
-    w_ptr,  # packed codes [N, K/2] of this expert
-    ws_ptr,  # E8M0 scales [N, K/32] of this expert
-    rows,
-    mask_n,
-    k0,
-    K,
-    stride_wn,
-    stride_wsn,
-    BLOCK_K: tl.constexpr,
-    F32_DOT: tl.constexpr,
-    ASM: tl.constexpr,
-):
-    """acc += a[:, k0:k0+BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T for MXFP4 W, as two bf16 dots of
-    depth BLOCK_K/2: even k (low nibbles) and odd k (high nibbles). The sum over k does not
-    care about k's order, so the activations are split into even and odd columns in
-    registers (one contiguous [BLOCK_M, BLOCK_K/2, 2] load, tl.split) instead of the weights
-    being interleaved. The group scale is folded into each decoded weight (one bf16
-    multiply), so the dots accumulate straight into acc: no per-group partial or epilogue."""
-    HALF: tl.constexpr = BLOCK_K // 2
-    GROUPS: tl.constexpr = BLOCK_K // 32
-    offs_j = k0 // 2 + tl.arange(0, HALF)  # byte columns = pairs of k
-    amask = mask_m[:, None, None] & (offs_j < K // 2)[None, :, None]
-    parity = tl.arange(0, 2)
-    a = tl.load(a_ptr[:, None, None] + 2 * offs_j[None, :, None] + parity[None, None, :],
-                mask=amask, other=0.0)  # fmt: skip
-    a_even, a_odd = tl.split(a)  # [BLOCK_M, HALF] each
-    offs_g = k0 // 32 + tl.arange(0, GROUPS)
-    mask_g = offs_g < K // 32  # K is a multiple of 32: a group is wholly in or out
-    offs_b = offs_g[:, None, None] * 16 + tl.arange(0, 16)[None, :, None]  # [GROUPS, 16, 1]
-    b = tl.load(w_ptr + rows[None, None, :] * stride_wn + offs_b,
-                mask=mask_g[:, None, None] & mask_n[None, None, :], other=0)  # fmt: skip
-    s = tl.load(ws_ptr + rows[None, :] * stride_wsn + offs_g[:, None],
-                mask=mask_g[:, None] & mask_n[None, :], other=0)  # fmt: skip
-    # bf16 bits of 2^(s-1). Exact for s <= 128 (scales <= 2, |w| <= 12: every real
-    # checkpoint); beyond, the factor would overflow bf16, and the wrapper says so.
-    f = ((tl.minimum(s.to(tl.int32), 128) + 126) << 7).to(tl.int16)
-    f = f.to(tl.bfloat16, bitcast=True)[:, None, :]
-    w_lo, w_hi = _mxfp4_weights(b, f, F32_DOT, ASM)
-    acc = mma(a_even.to(tl.bfloat16), w_lo, acc, F32_DOT)
-    acc = mma(a_odd.to(tl.bfloat16), w_hi, acc, F32_DOT)
-    return acc
-
-
-@triton.jit
-def _expert_step(
-    acc,
-    a_ptr,  # activation rows of this tile: pointer to a[row, 0], [BLOCK_M] pointers
-    mask_m,
+def _load_weights(
     w_ptr,  # this expert's weight base
     ws_ptr,  # this expert's scale base
     rows,  # [BLOCK_N] weight rows (output columns)
@@ -147,32 +96,83 @@ def _expert_step(
     stride_wsn,
     WFMT: tl.constexpr,
     BLOCK_K: tl.constexpr,
-    F32_DOT: tl.constexpr,
-    MXFP4_ASM: tl.constexpr,
 ):
-    """acc [BLOCK_M, BLOCK_N] += a[:, k0:k0+BLOCK_K] @ W[rows, k0:k0+BLOCK_K]^T."""
+    """One K step's stored weights for `rows`: (codes, scales) as stored, not decoded.
+    bf16/FP8: codes [BLOCK_K, BLOCK_N] and (FP8) the [BLOCK_N] block scales of k0's 128-block;
+    MXFP4: packed bytes [BLOCK_K/32, 16, BLOCK_N] (group, byte in group, row) and E8M0 scales
+    [BLOCK_K/32, BLOCK_N]. Steps past K load nothing (all masked)."""
     if WFMT == 3:
-        acc = _mxfp4_step(acc, a_ptr, mask_m, w_ptr, ws_ptr, rows, mask_n, k0, K, stride_wn,
-                          stride_wsn, BLOCK_K, F32_DOT, MXFP4_ASM)  # fmt: skip
+        GROUPS: tl.constexpr = BLOCK_K // 32
+        offs_g = k0 // 32 + tl.arange(0, GROUPS)
+        mask_g = offs_g < K // 32  # K is a multiple of 32: a group is wholly in or out
+        offs_b = offs_g[:, None, None] * 16 + tl.arange(0, 16)[None, :, None]  # [G, 16, 1]
+        codes = tl.load(w_ptr + rows[None, None, :] * stride_wn + offs_b,
+                        mask=mask_g[:, None, None] & mask_n[None, None, :], other=0)  # fmt: skip
+        scales = tl.load(ws_ptr + rows[None, :] * stride_wsn + offs_g[:, None],
+                         mask=mask_g[:, None] & mask_n[None, :], other=0)  # fmt: skip
     else:
         offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        a = tl.load(
-            a_ptr[:, None] + offs_k[None, :], mask=mask_m[:, None] & mask_k[None, :], other=0.0
-        )
-        w = tl.load(
-            w_ptr + rows[None, :] * stride_wn + offs_k[:, None],
-            mask=mask_n[None, :] & mask_k[:, None],
-            other=0.0,
-        )  # [BLOCK_K, BLOCK_N]
+        codes = tl.load(w_ptr + rows[None, :] * stride_wn + offs_k[:, None],
+                        mask=mask_n[None, :] & (offs_k < K)[:, None], other=0.0)  # fmt: skip
         if WFMT == 0:
-            acc = mma(a, w, acc, F32_DOT)
+            scales = mask_n  # unused
         else:
-            s = tl.load(ws_ptr + (rows // 128) * stride_wsn + k0 // 128, mask=mask_n, other=0)
+            scales = tl.load(ws_ptr + (rows // 128) * stride_wsn + k0 // 128,
+                             mask=mask_n & (rows * 0 + k0 < K), other=0)  # fmt: skip
+    return codes, scales
+
+
+@triton.jit
+def _apply_weights(
+    acc,
+    a_ptr,  # [BLOCK_M] pointers to a[row, 0]
+    mask_m,
+    codes,
+    scales,
+    k0,
+    K,
+    WFMT: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    F32_DOT: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    """acc [BLOCK_M, BLOCK_N] += a[:, k0:k0+BLOCK_K] @ W^T for one step's stored weights
+    (from _load_weights), decoded in registers.
+
+    MXFP4: two bf16 dots of depth BLOCK_K/2: even k (low nibbles) and odd k (high nibbles).
+    The sum over k does not care about k's order, so the activations are split into even
+    and odd columns in registers (one contiguous [BLOCK_M, BLOCK_K/2, 2] load, tl.split)
+    instead of the weights being interleaved. The group scale is folded into each decoded
+    weight (one bf16 multiply), so the dots accumulate straight into acc: no per-group
+    partial or epilogue."""
+    if WFMT == 3:
+        HALF: tl.constexpr = BLOCK_K // 2
+        offs_j = k0 // 2 + tl.arange(0, HALF)  # byte columns = pairs of k
+        amask = mask_m[:, None, None] & (offs_j < K // 2)[None, :, None]
+        parity = tl.arange(0, 2)
+        a = tl.load(a_ptr[:, None, None] + 2 * offs_j[None, :, None] + parity[None, None, :],
+                    mask=amask, other=0.0)  # fmt: skip
+        a_even, a_odd = tl.split(a)  # [BLOCK_M, HALF] each
+        # bf16 bits of 2^(s-1). Exact for s <= 128 (scales <= 2, |w| <= 12: every real
+        # checkpoint); beyond, the factor would overflow bf16 (the engine refuses such
+        # checkpoints at load).
+        f = ((tl.minimum(scales.to(tl.int32), 128) + 126) << 7).to(tl.int16)
+        f = f.to(tl.bfloat16, bitcast=True)[:, None, :]
+        w_lo, w_hi = _mxfp4_weights(codes, f, F32_DOT, ASM)
+        acc = mma(a_even.to(tl.bfloat16), w_lo, acc, F32_DOT)
+        acc = mma(a_odd.to(tl.bfloat16), w_hi, acc, F32_DOT)
+    else:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr[:, None] + offs_k[None, :],
+                    mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)  # fmt: skip
+        if WFMT == 0:
+            acc = mma(a, codes, acc, F32_DOT)
+        else:
+            s = scales
             if WFMT == 2:
                 s = e8m0_to_f32(s)
             part = tl.zeros(acc.shape, dtype=tl.float32)
-            part = mma(a, w.to(a.dtype), part, F32_DOT)
+            part = mma(a, codes.to(a.dtype), part, F32_DOT)
             acc += part * s[None, :]
     return acc
 
@@ -234,11 +234,34 @@ def moe_gate_up_kernel(
     ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
     acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, D, BLOCK_K):
-        acc_gate = _expert_step(acc_gate, a_rows, mask_m, w_e, ws_e, offs_n, mask_n, k0, D,
-                                stride_wn, stride_wsn, WFMT, BLOCK_K, F32_DOT, MXFP4_ASM)  # fmt: skip
-        acc_up = _expert_step(acc_up, a_rows, mask_m, w_e, ws_e, offs_n + I, mask_n, k0, D,
-                              stride_wn, stride_wsn, WFMT, BLOCK_K, F32_DOT, MXFP4_ASM)  # fmt: skip
+    if WFMT == 0:  # bf16 operands go straight into tl.dot, which Triton pipelines itself
+        for k0 in range(0, D, BLOCK_K):
+            wg, _ = _load_weights(w_e, ws_e, offs_n, mask_n, k0, D, stride_wn, stride_wsn,
+                                  WFMT, BLOCK_K)  # fmt: skip
+            wu, _ = _load_weights(w_e, ws_e, offs_n + I, mask_n, k0, D, stride_wn, stride_wsn,
+                                  WFMT, BLOCK_K)  # fmt: skip
+            acc_gate = _apply_weights(acc_gate, a_rows, mask_m, wg, wg, k0, D, WFMT, BLOCK_K,
+                                      F32_DOT, MXFP4_ASM)  # fmt: skip
+            acc_up = _apply_weights(acc_up, a_rows, mask_m, wu, wu, k0, D, WFMT, BLOCK_K,
+                                    F32_DOT, MXFP4_ASM)  # fmt: skip
+    else:
+        # Codes pass through a decode before the dot, and Triton does not pipeline such
+        # loads: the next step's codes are loaded before this step's math (a register
+        # double buffer), so their latency hides behind the decode and the dots.
+        wg, sg = _load_weights(w_e, ws_e, offs_n, mask_n, 0, D, stride_wn, stride_wsn,
+                               WFMT, BLOCK_K)  # fmt: skip
+        wu, su = _load_weights(w_e, ws_e, offs_n + I, mask_n, 0, D, stride_wn, stride_wsn,
+                               WFMT, BLOCK_K)  # fmt: skip
+        for k0 in range(0, D, BLOCK_K):
+            nwg, nsg = _load_weights(w_e, ws_e, offs_n, mask_n, k0 + BLOCK_K, D, stride_wn,
+                                     stride_wsn, WFMT, BLOCK_K)  # fmt: skip
+            nwu, nsu = _load_weights(w_e, ws_e, offs_n + I, mask_n, k0 + BLOCK_K, D, stride_wn,
+                                     stride_wsn, WFMT, BLOCK_K)  # fmt: skip
+            acc_gate = _apply_weights(acc_gate, a_rows, mask_m, wg, sg, k0, D, WFMT, BLOCK_K,
+                                      F32_DOT, MXFP4_ASM)  # fmt: skip
+            acc_up = _apply_weights(acc_up, a_rows, mask_m, wu, su, k0, D, WFMT, BLOCK_K,
+                                    F32_DOT, MXFP4_ASM)  # fmt: skip
+            wg, sg, wu, su = nwg, nsg, nwu, nsu
     h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     h_out = h_ptr + pairs.to(tl.int64)[:, None] * stride_hp + offs_n[None, :]
     tl.store(h_out, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
@@ -274,6 +297,7 @@ def moe_down_kernel(
     BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr,
     MXFP4_ASM: tl.constexpr = True,  # PTX nibble decode (ignored under the interpreter)
+    SPLIT_K: tl.constexpr = 1,  # grid axis 2: K splits, each adding its partial into y
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -286,10 +310,27 @@ def moe_down_kernel(
     mask_n = offs_n < D
     w_e = w_ptr + expert.to(tl.int64) * stride_we
     ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
+    # Split-K: program pid_k takes whole steps [k_lo, k_end); the combine below is an atomic
+    # add anyway, so the splits' partial sums need no extra launch.
+    steps_per_split = tl.cdiv(tl.cdiv(I, BLOCK_K), SPLIT_K)
+    k_lo = tl.program_id(2) * steps_per_split * BLOCK_K
+    k_end = tl.minimum(I, k_lo + steps_per_split * BLOCK_K)
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, I, BLOCK_K):
-        acc = _expert_step(acc, a_rows, mask_m, w_e, ws_e, offs_n, mask_n, k0, I,
-                           stride_wn, stride_wsn, WFMT, BLOCK_K, F32_DOT, MXFP4_ASM)  # fmt: skip
+    if WFMT == 0:
+        for k0 in range(k_lo, k_end, BLOCK_K):
+            w, _ = _load_weights(w_e, ws_e, offs_n, mask_n, k0, k_end, stride_wn, stride_wsn,
+                                 WFMT, BLOCK_K)  # fmt: skip
+            acc = _apply_weights(acc, a_rows, mask_m, w, w, k0, k_end, WFMT, BLOCK_K, F32_DOT,
+                                 MXFP4_ASM)  # fmt: skip
+    else:  # next step's codes loaded before this step's math, as in moe_gate_up_kernel
+        w, s = _load_weights(w_e, ws_e, offs_n, mask_n, k_lo, k_end, stride_wn, stride_wsn,
+                             WFMT, BLOCK_K)  # fmt: skip
+        for k0 in range(k_lo, k_end, BLOCK_K):
+            nw, ns = _load_weights(w_e, ws_e, offs_n, mask_n, k0 + BLOCK_K, k_end, stride_wn,
+                                   stride_wsn, WFMT, BLOCK_K)  # fmt: skip
+            acc = _apply_weights(acc, a_rows, mask_m, w, s, k0, k_end, WFMT, BLOCK_K, F32_DOT,
+                                 MXFP4_ASM)  # fmt: skip
+            w, s = nw, ns
     if not DENSE:
         route_w = tl.load(topk_weights_ptr + pairs, mask=mask_m, other=0.0)
         acc = acc * route_w[:, None]

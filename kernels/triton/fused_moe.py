@@ -199,11 +199,14 @@ def fused_moe(
     )  # fmt: skip
     if shared is not None:
         h_shared = _shared_gate_up(x, shared, d)
-    moe_down_kernel[(max_blocks, triton.cdiv(d, cfg["BLOCK_N"]))](
+    # The down GEMM may split K (its partials meet in the atomic combine anyway): at a
+    # few tokens its D / BLOCK_N tiles of the few touched experts fill too few SMs.
+    split = cfg.get("SPLIT_K", 1)
+    moe_down_kernel[(max_blocks, triton.cdiv(d, cfg["BLOCK_N"]), split)](
         h, w2, s2, route_w, y, pairs, groups,
         p, d, i,
         h.stride(0), w2.stride(0), w2.stride(1), *s2_strides, y.stride(0),
-        TOPK=top_k, WFMT=_wfmt(fmt, w2_scale), DENSE=False, **meta, **launch,
+        TOPK=top_k, WFMT=_wfmt(fmt, w2_scale), DENSE=False, SPLIT_K=split, **meta, **launch,
     )  # fmt: skip
     if shared is not None:
         _shared_down(h_shared, shared, y)

@@ -115,6 +115,20 @@ def test_fused_moe_matches_expert_loop(fmt, t, a):
     assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("split", [2, 3])
+def test_fused_moe_down_split_k(fmt, split):
+    # I = 160 is 5 steps of 32: splits of 3/2 steps, the last one shorter
+    args, kw = make_moe(3, d=64, i=160, e=4, a=2, fmt=fmt, seed=split)
+    block_k = 32
+    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=block_k, SPLIT_K=split, num_warps=4,
+               num_stages=2)  # fmt: skip
+    if fmt == "fp8":
+        cfg["BLOCK_K"] = 32  # divides 128
+    out = fused_moe(*args, **kw, config=cfg)
+    assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
+
+
 @pytest.mark.parametrize("block_k", [32, 128, 256])
 def test_fused_moe_mxfp4_wide_k_steps(block_k):
     # K = 96 is not a multiple of a 128 or 256 step: its last groups are masked
