@@ -149,7 +149,12 @@ def _cycle(calls: list):
 
 
 def bench_moe(
-    case: MoeCase, copy_bps: float, device, tune: bool, tokens: tuple[int, ...] = ()
+    case: MoeCase,
+    copy_bps: float,
+    device,
+    tune: bool,
+    tokens: tuple[int, ...] = (),
+    tune_max_tokens: int = TUNE_MAX_TOKENS,
 ) -> tuple[list[dict], dict]:
     from kernels.reference.fused_moe import fused_moe_reference
     from kernels.triton.fused_moe import default_config, fused_moe, shape_key
@@ -163,7 +168,7 @@ def bench_moe(
         distinct = sum(torch.unique(ids).numel() for _, ids in routings) / len(routings)
         nbytes = distinct * per_expert + t * case.d * 2 * 2  # + x read, out written
         cfg = default_config(t * case.top_k, case.e, case.fmt)
-        if tune and t <= TUNE_MAX_TOKENS:
+        if tune and t <= tune_max_tokens:
             cands = _mxfp4_candidates(cfg) if case.fmt == "mxfp4" else _moe_candidates(cfg)
             cfg = _tune(lambda c, x=x, r=routings: graphed(
                 _moe_calls(fused_moe, x, weights, r, fmt=case.fmt, config=c)), cands)  # fmt: skip
@@ -290,7 +295,12 @@ def _moe_candidates(base: dict) -> list[dict]:
     out = [base]
     for bn, stages, warps in itertools.product((32, 64, 128), (3, 5), (4,)):
         out.append(dict(base, BLOCK_N=bn, num_stages=stages, num_warps=warps))
-    return out
+    return out + _split_candidates(base)
+
+
+def _split_candidates(base: dict) -> list[dict]:
+    """The down GEMM split along K (its partials meet in the atomic combine)."""
+    return [dict(base, SPLIT_K=split) for split in (2, 4)]
 
 
 def _mxfp4_candidates(base: dict) -> list[dict]:
@@ -302,7 +312,9 @@ def _mxfp4_candidates(base: dict) -> list[dict]:
         cand = dict(base, BLOCK_K=bk, BLOCK_N=bn, num_stages=stages)
         if cand != base:
             out.append(cand)
-    return out
+    if base["BLOCK_M"] >= 32:  # many pairs per expert: more warps to share the decode
+        out += [dict(base, num_warps=8), dict(base, BLOCK_M=64, BLOCK_N=128, num_warps=8)]
+    return out + _split_candidates(base)
 
 
 def _linear_candidates(m: int, base: dict) -> list[dict]:
@@ -354,6 +366,7 @@ def run(
     only: str = "",
     tokens: tuple[int, ...] = (),
     linear: bool = True,
+    tune_max_tokens: int = TUNE_MAX_TOKENS,
 ) -> dict:
     """Run every case (or those whose name contains `only`; MoE token counts `tokens` instead
     of each case's own; no FP8 linear rows with linear=False); returns the JSON payload.
@@ -367,7 +380,7 @@ def run(
     for case in MOE_CASES:
         if only and only not in case.name:
             continue
-        r, t = bench_moe(case, copy_bps, device, tune, tokens)
+        r, t = bench_moe(case, copy_bps, device, tune, tokens, tune_max_tokens)
         rows += r
         tables["fused_moe"].update(t)
     for n, k in LINEAR_SHAPES if linear else ():
@@ -405,12 +418,21 @@ def run(
 @click.option("--tokens", default="", help="MoE token counts, e.g. 1,8,64 (default: per case).")
 @click.option("--no-linear", is_flag=True, help="Skip the FP8 linear rows.")
 @click.option("--name", default="kernels-h200", show_default=True, help="JSON file name.")
+@click.option("--tune-max-tokens", type=int, default=TUNE_MAX_TOKENS, show_default=True,
+              help="MoE token counts up to which --tune sweeps configs.")  # fmt: skip
 def command(
-    tune: bool, tuned_dir: Path | None, only: str, tokens: str, no_linear: bool, name: str
+    tune: bool,
+    tuned_dir: Path | None,
+    only: str,
+    tokens: str,
+    no_linear: bool,
+    name: str,
+    tune_max_tokens: int,
 ) -> None:
     """Fused MoE and FP8 linear: GB/s and % of copy bandwidth, vs plain torch."""
     counts = tuple(int(v) for v in tokens.split(",") if v.strip())
-    payload = run(tune=tune, tuned_dir=tuned_dir, only=only, tokens=counts, linear=not no_linear)
+    payload = run(tune=tune, tuned_dir=tuned_dir, only=only, tokens=counts,
+                  linear=not no_linear, tune_max_tokens=tune_max_tokens)  # fmt: skip
     path = write_result(name, payload)
     click.echo(f"wrote {path}")
 
