@@ -360,6 +360,12 @@ def print_rows(rows: list[dict]) -> None:
               f"{r['speedup_vs_torch']:6.1f}")  # fmt: skip
 
 
+def _selected(only: str, name: str) -> bool:
+    """`only` empty, or one of its comma-separated parts is in the case name."""
+    parts = [p.strip() for p in only.split(",") if p.strip()]
+    return not parts or any(p in name for p in parts)
+
+
 def run(
     tune: bool = False,
     tuned_dir: Path | None = None,
@@ -378,19 +384,19 @@ def run(
     copy_bps = copy_bandwidth(device)
     rows, tables = [], {"fused_moe": {}, "fp8_linear": {}}
     for case in MOE_CASES:
-        if only and only not in case.name:
+        if not _selected(only, case.name):
             continue
         r, t = bench_moe(case, copy_bps, device, tune, tokens, tune_max_tokens)
         rows += r
         tables["fused_moe"].update(t)
     for n, k in LINEAR_SHAPES if linear else ():
-        if only and only not in f"linear {n}x{k}":
+        if not _selected(only, f"linear {n}x{k}"):
             continue
         r, t = bench_linear(n, k, copy_bps, device, tune)
         rows += r
         tables["fp8_linear"].update(t)
     for n, k in ENGINE_LINEAR_SHAPES if linear else ():
-        if only and only not in f"linear {n}x{k} moonlight":
+        if not _selected(only, f"linear {n}x{k} moonlight"):
             continue
         r, t = bench_linear(n, k, copy_bps, device, tune, ENGINE_LINEAR_TOKENS, (False,))
         rows += r
@@ -414,7 +420,8 @@ def run(
 @click.option("--tune", is_flag=True, help="Sweep launch configs per case and keep the best.")
 @click.option("--tuned-dir", type=click.Path(path_type=Path), default=None,
               help="Where --tune writes fused_moe.json / fp8_linear.json.")  # fmt: skip
-@click.option("--only", default="", help="Run only cases whose name contains this.")
+@click.option("--only", default="",
+              help="Run only cases whose name contains this (comma: any of several).")  # fmt: skip
 @click.option("--tokens", default="", help="MoE token counts, e.g. 1,8,64 (default: per case).")
 @click.option("--no-linear", is_flag=True, help="Skip the FP8 linear rows.")
 @click.option("--name", default="kernels-h200", show_default=True, help="JSON file name.")
