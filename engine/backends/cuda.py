@@ -3,6 +3,7 @@ input is a CUDA tensor. One dispatch line in each layer leads here:
 
   RMSNorm.forward              -> rmsnorm             Triton, residual add fused
   Fp8BlockFormat.apply         -> fp8_linear          Triton, E4M3 decoded in registers
+  Unquantized.apply            -> dense_linear        Triton GEMV at <= 8 rows, else cuBLAS
   DeepseekMoE.forward          -> moe_forward         router kernel + fused MoE (bf16/FP8/MXFP4)
   MultiLatentAttention.forward -> mla_decode_forward  (decode steps) one kernel for rope, latent
                                                       norm and cache write; absorbed MLA decode
@@ -73,6 +74,20 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
     return fp8_block_linear(x, weight, scale)
 
 
+def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+    """Unquantized.apply on CUDA: x [..., K] @ weight [N, K]^T -> [..., N] in x's dtype.
+    Decode-sized inputs (<= 8 rows) of bf16/fp16 weights take the Triton GEMV: cuBLAS's
+    small-M kernels streamed Moonlight's q_proj / o_proj at ~2.2 TB/s and kv_a at 0.4 TB/s
+    on the H200 (docs/notes-gpu-kernels.md). Anything else, float32 included, is F.linear."""
+    from kernels.triton.dense_gemv import GEMV_MAX_M, dense_gemv
+
+    xw = x.to(weight.dtype)
+    rows = x.numel() // max(x.shape[-1], 1)
+    if weight.dtype in KERNEL_DTYPES and weight.stride(-1) == 1 and rows <= GEMV_MAX_M:
+        return dense_gemv(xw, weight).to(x.dtype)
+    return F.linear(xw, weight).to(x.dtype)
+
+
 # -- MoE --------------------------------------------------------------------------------
 @dataclass
 class FusedExperts:
@@ -113,7 +128,9 @@ def route(
 
 
 def moe_forward(moe: DeepseekMoE, x: torch.Tensor) -> torch.Tensor:
-    """DeepseekMoE.forward on CUDA: x [T, D] -> [T, D]."""
+    """DeepseekMoE.forward on CUDA: x [T, D] -> [T, D]. On the fused path the result is
+    the kernels' float32 accumulator: the next step is always the pre-norm residual add
+    (the fused RMSNorm takes a float32 x), so a cast launch per layer is saved."""
     gate = moe.gate
     weights, ids = route(gate.spec, x, gate.weight, gate.e_score_correction_bias)
     if moe.routing_recorder is not None:
@@ -155,6 +172,7 @@ def routed_experts(
             fused.w13_scale,
             fused.w2_scale,
             shared=shared,
+            out_dtype=torch.float32,
         )
     if experts.gate_proj.format.name == "unquantized":
         return gathered_experts(experts, x, weights, ids)

@@ -148,11 +148,13 @@ def fused_moe(
     w2_scale: torch.Tensor | None = None,
     config: dict | None = None,
     shared: SharedExpert | None = None,
+    out_dtype: torch.dtype | None = None,
 ) -> torch.Tensor:
     """x [T, D] bf16/fp16; w13 [E, 2I, D] (gate rows, then up rows); w2 [E, D, I];
-    topk_weights [T, A] float32; topk_ids [T, A] int. Returns [T, D] in x's dtype:
-    sum_a topk_weights[t, a] * down(silu(gate(x_t)) * up(x_t)) of expert topk_ids[t, a],
-    plus shared(x_t) when a shared expert is given."""
+    topk_weights [T, A] float32; topk_ids [T, A] int. Returns [T, D] in out_dtype (default
+    x's dtype): sum_a topk_weights[t, a] * down(silu(gate(x_t)) * up(x_t)) of expert
+    topk_ids[t, a], plus shared(x_t) when a shared expert is given. out_dtype float32
+    returns the combine's accumulator itself (no cast launch)."""
     assert x.dim() == 2 and x.stride(-1) == 1, f"x must be a row-major [T, D], got {list(x.shape)}"
     assert x.dtype in (torch.bfloat16, torch.float16), f"x must be bf16/fp16, got {x.dtype}"
     t, d = x.shape
@@ -210,7 +212,7 @@ def fused_moe(
     )  # fmt: skip
     if shared is not None:
         _shared_down(h_shared, shared, y)
-    return y.to(x.dtype)
+    return y if out_dtype == torch.float32 else y.to(out_dtype or x.dtype)
 
 
 def _check_shared(shared: SharedExpert, d: int) -> int:
