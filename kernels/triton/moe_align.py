@@ -66,7 +66,8 @@ def moe_align_kernel(
     # meta-parameters
     BLOCK_M: tl.constexpr,
     BLOCK_E: tl.constexpr,
-    CHUNK: tl.constexpr,
+    CHUNK: tl.constexpr,  # pairs per step of the count and scatter loops
+    TILES: tl.constexpr,  # tiles per step of the map loop
     ZBLOCK: tl.constexpr,
 ):
     pid = tl.program_id(0)
@@ -86,19 +87,18 @@ def moe_align_kernel(
     padded_end = tl.cumsum(padded, axis=0)  # experts >= E have 0 pairs: end = total
     padded_start = padded_end - padded
     fill_end = padded_start + counts  # slots [fill_end, padded_end) of an expert are pads
-    # 2. tile -> expert (searchsorted of the tile start in padded_end), -1 past the end.
-    for s0 in range(0, max_blocks * BLOCK_M, CHUNK):
-        offs_s = s0 + tl.arange(0, CHUNK)
-        in_range = offs_s < max_blocks * BLOCK_M
-        expert = tl.sum((padded_end[None, :] <= offs_s[:, None]).to(tl.int32), axis=1)
-        # pads: slots past their expert's pairs (all slots past the last expert: end = 0)
+    # 2. tile -> expert (searchsorted of the tile start in padded_end, -1 past the end), and
+    # the pad slots: each tile's slots from its expert's last pair on.
+    for t0 in range(0, max_blocks, TILES):
+        tiles = t0 + tl.arange(0, TILES)
+        in_range = tiles < max_blocks
+        expert = tl.sum((padded_end[None, :] <= (tiles * BLOCK_M)[:, None]).to(tl.int32), axis=1)
+        tl.store(block_expert_ptr + tiles, tl.where(expert < E, expert, -1), mask=in_range)
+        # experts past the last one: end = total (E < BLOCK_E) or 0 (no match): all pads
         end = tl.sum(tl.where(offs_e[None, :] == expert[:, None], fill_end[None, :], 0), axis=1)
-        tl.store(sorted_ptr + offs_s, tl.zeros((CHUNK,), tl.int32) + P,
-                 mask=in_range & (offs_s >= end))  # fmt: skip
-        is_tile_start = (offs_s % BLOCK_M) == 0
-        tile_expert = tl.where(expert < E, expert, -1)
-        tl.store(block_expert_ptr + offs_s // BLOCK_M, tile_expert,
-                 mask=in_range & is_tile_start)  # fmt: skip
+        slots = tiles[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+        tl.store(sorted_ptr + slots, tl.zeros((TILES, BLOCK_M), tl.int32) + P,
+                 mask=in_range[:, None] & (slots >= end[:, None]))  # fmt: skip
     # 3. scatter each pair to its expert's start + its rank among that expert's earlier
     # pairs (stable: pair order kept within an expert). Pads and pairs are disjoint slots.
     running = tl.zeros((BLOCK_E,), tl.int32)
@@ -226,10 +226,13 @@ def moe_align(
     # One-hot chunks of ~8K int32 elements: registers of 4 warps, no spills.
     chunk = max(16, min(256, 8192 // block_e))
     if p <= chunk:
+        # A batch-1 step has 6-8 pairs and as many tiles: steps no wider than those keep the
+        # one program's one-hot tiles and scans small.
         moe_align_kernel[(1 + zero_programs,)](
             flat, sorted_pairs, block_expert, zero_buf,
             p, num_experts, max_blocks, n_zero,
-            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, ZBLOCK=ZERO_BLOCK, num_warps=4,
+            BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=max(16, min(chunk, next_pow2(p))),
+            TILES=max(16, min(64, next_pow2(max_blocks))), ZBLOCK=ZERO_BLOCK, num_warps=4,
         )  # fmt: skip
         return MoeAlignment(sorted_pairs, block_expert, p, block_m)
     chunk = max(16, min(128, 4096 // block_e))  # smaller chunks: more programs in parallel

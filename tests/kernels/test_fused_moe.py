@@ -54,6 +54,7 @@ def test_moe_align_groups_every_pair_once():
     [
         (1, 6, 64, 16),  # one program
         (7, 3, 5, 4),
+        (50, 4, 8, 2),  # one program, tiles mapped in two steps
         (40, 6, 64, 16),  # chunks in parallel (count + place launches)
         (70, 8, 256, 64),
         (128, 6, 64, 16),  # batch-128 Moonlight decode
