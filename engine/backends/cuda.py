@@ -82,8 +82,13 @@ def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
     from kernels.triton.dense_gemv import GEMV_MAX_M, dense_gemv
 
     xw = x.to(weight.dtype)
-    rows = x.numel() // max(x.shape[-1], 1)
-    if weight.dtype in KERNEL_DTYPES and weight.stride(-1) == 1 and rows <= GEMV_MAX_M:
+    k = weight.shape[1]
+    rows = x.numel() // max(k, 1)
+    # 16-byte aligned rows (K % 16 == 0, contiguous, aligned base): Triton specializes on
+    # that and emits 16-byte loads; without it the sm_90 build at 8 rows uses scalar loads
+    # and spills (offline compile).
+    aligned = k % 16 == 0 and weight.is_contiguous() and weight.data_ptr() % 16 == 0
+    if weight.dtype in KERNEL_DTYPES and aligned and rows <= GEMV_MAX_M:
         return dense_gemv(xw, weight).to(x.dtype)
     return F.linear(xw, weight).to(x.dtype)
 

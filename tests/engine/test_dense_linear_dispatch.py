@@ -26,7 +26,7 @@ def _weight(n, k, dtype, seed):
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16])
 def test_decode_rows_take_the_gemv(dtype):
-    w = _weight(24, 80, dtype, seed=1)
+    w = _weight(24, 80, dtype, seed=1)  # K = 80: a multiple of 16, the GEMV takes it
     x = torch.randn(2, 3, 80).to(dtype).to(DEVICE)  # 6 rows in two leading dims
     y = backend.dense_linear(x, w)
     assert y.shape == (2, 3, 24) and y.dtype == dtype
@@ -38,6 +38,9 @@ def test_more_rows_and_float32_stay_on_f_linear():
     w = _weight(24, 80, torch.bfloat16, seed=2)
     x = torch.randn(GEMV_MAX_M + 1, 80).to(torch.bfloat16).to(DEVICE)
     assert torch.equal(backend.dense_linear(x, w), F.linear(x, w))
+    w_odd = _weight(24, 72, torch.bfloat16, seed=4)  # K % 16 != 0: no aligned 16-byte loads
+    x_odd = torch.randn(2, 72).to(torch.bfloat16).to(DEVICE)
+    assert torch.equal(backend.dense_linear(x_odd, w_odd), F.linear(x_odd, w_odd))
     w32 = _weight(24, 80, torch.float32, seed=3)
     x16 = x[:2]
     # A float32 weight (exactness tests): the input is cast up and the result back, as before.
