@@ -56,9 +56,11 @@ LINEAR_TOKENS = (1, 8, 64, 512)
 # gate+up and down. Only the default path (the engine never asks for native FP8).
 ENGINE_LINEAR_SHAPES = [(3072, 2048), (576, 2048), (2048, 2048), (22528, 2048), (2048, 11264)]
 ENGINE_LINEAR_TOKENS = (1, 2, 4, 8, 64)
-# The engine's bf16 dense linears at a Moonlight decode step (per layer): q_proj,
-# kv_a_proj_with_mqa, o_proj; through dense_gemv at M <= 8 (kernels/triton/dense_gemv.py).
-DENSE_GEMV_SHAPES = [(3072, 2048), (576, 2048), (2048, 2048)]
+# The engine's bf16 dense linears at a Moonlight decode step, through dense_gemv at M <= 8
+# (kernels/triton/dense_gemv.py): per layer q_proj, kv_a_proj_with_mqa, o_proj; once per
+# step the first layer's dense MLP (gate and up, down) and lm_head (vocab 163840).
+DENSE_GEMV_SHAPES = [(3072, 2048), (576, 2048), (2048, 2048), (11264, 2048), (2048, 11264),
+                     (163840, 2048)]  # fmt: skip
 DENSE_GEMV_TOKENS = (1, 2, 4, 8)
 # Calls are timed as a chain over copies of the weight that together exceed the 50 MB L2
 # (as in a decode step, where each layer's weights come from HBM), in one CUDA graph (as
