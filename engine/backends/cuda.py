@@ -3,7 +3,6 @@ input is a CUDA tensor. One dispatch line in each layer leads here:
 
   RMSNorm.forward              -> rmsnorm             Triton, residual add fused
   Fp8BlockFormat.apply         -> fp8_linear          Triton, E4M3 decoded in registers
-  Unquantized.apply            -> dense_linear        Triton GEMV at <= 8 rows, else cuBLAS
   DeepseekMoE.forward          -> moe_forward         router kernel + fused MoE (bf16/FP8/MXFP4)
   MultiLatentAttention.forward -> mla_decode_forward  (decode steps) one kernel for rope, latent
                                                       norm and cache write; absorbed MLA decode
@@ -72,25 +71,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> to
     from kernels.triton.fp8_linear import fp8_block_linear
 
     return fp8_block_linear(x, weight, scale)
-
-
-def dense_linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """Unquantized.apply on CUDA: x [..., K] @ weight [N, K]^T -> [..., N] in x's dtype.
-    Decode-sized inputs (<= 8 rows) of bf16/fp16 weights take the Triton GEMV: cuBLAS's
-    small-M kernels streamed Moonlight's q_proj / o_proj at ~2.2 TB/s and kv_a at 0.4 TB/s
-    on the H200 (docs/notes-gpu-kernels.md). Anything else, float32 included, is F.linear."""
-    from kernels.triton.dense_gemv import GEMV_MAX_M, dense_gemv
-
-    xw = x.to(weight.dtype)
-    k = weight.shape[1]
-    rows = x.numel() // max(k, 1)
-    # 16-byte aligned rows (K % 16 == 0, contiguous, aligned base): Triton specializes on
-    # that and emits 16-byte loads; without it the sm_90 build at 8 rows uses scalar loads
-    # and spills (offline compile).
-    aligned = k % 16 == 0 and weight.is_contiguous() and weight.data_ptr() % 16 == 0
-    if weight.dtype in KERNEL_DTYPES and aligned and rows <= GEMV_MAX_M:
-        return dense_gemv(xw, weight).to(x.dtype)
-    return F.linear(xw, weight).to(x.dtype)
 
 
 # -- MoE --------------------------------------------------------------------------------

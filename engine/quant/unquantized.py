@@ -18,11 +18,6 @@ class Unquantized(WeightFormat):
         )
 
     def apply(self, layer, x):
-        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            # GPU backend: decode-sized inputs through a Triton GEMV (engine/backends/cuda.py)
-            from engine.backends.cuda import dense_linear
-
-            return dense_linear(x, layer.weight)
         return F.linear(x.to(layer.weight.dtype), layer.weight).to(x.dtype)
 
     def dequantize(self, layer):

@@ -12,6 +12,11 @@ partials in split order in the same launch (kernels/triton/_arrival_counters.py)
 
 The config (tuned table kernels/triton/configs/dense_gemv.json, else `default_config`):
 BLOCK_N weight rows x BLOCK_K weights per step, SPLIT_K, num_warps.
+
+Not on the engine's path: measured on the H200 (bench kernels, over-L2 chains in one
+graph) it lost to cuBLAS at every Moonlight shape but kv_a at M <= 2 (q_proj M=1 9.5 us vs
+7.2, lm_head 209 vs 163), and a batch-1 step routed through it was no faster. It stays as
+the measured baseline `bench kernels` compares cuBLAS against.
 """
 
 from __future__ import annotations
