@@ -381,8 +381,12 @@ def _mxfp4_candidates(base: dict) -> list[dict]:
         cand = dict(base, BLOCK_K=bk, BLOCK_N=bn, num_stages=stages)
         if cand != base:
             out.append(cand)
-    if base["BLOCK_M"] >= 32:  # many pairs per expert: more warps to share the decode
-        out += [dict(base, num_warps=8), dict(base, BLOCK_M=64, BLOCK_N=128, num_warps=8)]
+    # More warps per program: the decode is dependent integer chains, and with one 4-warp
+    # program per SM (T=1: 132 programs) nothing hides their latency.
+    out += [dict(base, num_warps=8), dict(base, BLOCK_N=128, num_warps=8),
+            dict(base, BLOCK_K=256, num_warps=8)]  # fmt: skip
+    if base["BLOCK_M"] >= 32:
+        out.append(dict(base, BLOCK_M=64, BLOCK_N=128, num_warps=8))
     return out + _split_candidates(base)
 
 
