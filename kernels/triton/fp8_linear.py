@@ -6,12 +6,16 @@ never writes a bf16 weight to memory; it runs on any GPU Triton supports (Ampere
 `native_fp8=True` (Hopper and newer) quantizes the activations per token per 128 block and
 multiplies E4M3 x E4M3 on the tensor cores, behind the same call.
 
-Decode shapes (M <= GEMV_MAX_M = 8: the engine's decode steps) are bandwidth-bound and take a GEMV
-kernel by default: no tensor cores, each thread streams 16 contiguous code bytes per row
-and multiplies them into the few activation rows with float32 FMAs. When N alone gives
-too few programs to keep every SM streaming it also splits K, and the last program of each
-row block sums the float32 partials in the same launch (arrival counters). Larger M
-(prefill) uses the tl.dot kernel; its split-K partials are summed by one small launch.
+A GEMV kernel (M <= GEMV_MAX_M = 8): no tensor cores, each thread streams 16 contiguous
+code bytes per row and multiplies them into the few activation rows with float32 FMAs.
+When N alone gives too few programs to keep every SM streaming it also splits K, and the
+last program of each row block sums the float32 partials in the same launch (arrival
+counters). Measured on the H200 (chains over weight copies larger than the L2, one graph)
+it wins only for one row on small matrices (Moonlight's q/kv_a/o_proj: 5.2-7.2 us vs the
+dot kernel's 6.6-7.9) and loses from two rows on (its FMAs grow with M: q_proj at M=8 22.7
+us vs 8.7) and on large matrices (18432x7168 M=1 79.8 vs 61.1): by default it runs only
+there (`GEMV_DEFAULT_MAX_WEIGHTS`). Everything else uses the tl.dot kernel; its split-K
+partials are summed by one small launch.
 
 The config (tuned table, else `default_config`) picks the kernel: "KERNEL": "gemv" or
 "dot" (tables written before the GEMV existed have no key and mean "dot").
@@ -37,6 +41,9 @@ OP = "fp8_linear"
 # at M=8 with 32-row tiles, spills at 16), and at 8 FMAs per weight byte it is near the
 # float32 FMA rate, where a 16-row MMA tile wastes little.
 GEMV_MAX_M = 8
+# The heuristic takes the GEMV for a single row of a matrix up to this many weights (H200
+# measurements in the module docstring); a tuned table entry may choose it elsewhere.
+GEMV_DEFAULT_MAX_WEIGHTS = 8 << 20
 
 
 def _sm_count(device: torch.device) -> int:
@@ -65,7 +72,7 @@ def default_gemv_config(m: int, n: int, k: int, device: torch.device) -> dict:
 
 def default_config(m: int, n: int, k: int, device: torch.device, native_fp8: bool = False) -> dict:
     """Heuristic used when the tuned table has no entry for this shape."""
-    if m <= GEMV_MAX_M and not native_fp8:
+    if m == 1 and n * k <= GEMV_DEFAULT_MAX_WEIGHTS and not native_fp8:
         return default_gemv_config(m, n, k, device)
     if m <= 32:
         block_m, block_n, block_k = 16, 64, 128

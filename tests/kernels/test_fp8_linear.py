@@ -75,7 +75,9 @@ def test_fp8_gemv_split_k_one_launch_is_deterministic_and_resets_counters():
 
 def test_fp8_linear_default_path_by_m():
     cpu = torch.device("cpu")
-    assert default_config(8, 3072, 2048, cpu)["KERNEL"] == "gemv"
+    assert default_config(1, 3072, 2048, cpu)["KERNEL"] == "gemv"
+    assert default_config(2, 3072, 2048, cpu)["KERNEL"] == "dot"  # measured slower from M=2
+    assert default_config(1, 18432, 7168, cpu)["KERNEL"] == "dot"  # and on large matrices
     assert default_config(9, 3072, 2048, cpu)["KERNEL"] == "dot"
     assert default_config(1, 3072, 2048, cpu, native_fp8=True)["KERNEL"] == "dot"
     # The engine's call (no config) takes the default and matches the reference.
