@@ -56,12 +56,6 @@ LINEAR_TOKENS = (1, 8, 64, 512)
 # gate+up and down. Only the default path (the engine never asks for native FP8).
 ENGINE_LINEAR_SHAPES = [(3072, 2048), (576, 2048), (2048, 2048), (22528, 2048), (2048, 11264)]
 ENGINE_LINEAR_TOKENS = (1, 2, 4, 8, 64)
-# The engine's bf16 dense linears at a Moonlight decode step, through dense_gemv at M <= 8
-# (kernels/triton/dense_gemv.py): per layer q_proj, kv_a_proj_with_mqa, o_proj; once per
-# step the first layer's dense MLP (gate and up, down) and lm_head (vocab 163840).
-DENSE_GEMV_SHAPES = [(3072, 2048), (576, 2048), (2048, 2048), (11264, 2048), (2048, 11264),
-                     (163840, 2048)]  # fmt: skip
-DENSE_GEMV_TOKENS = (1, 2, 4, 8)
 # Calls are timed as a chain over copies of the weight that together exceed the 50 MB L2
 # (as in a decode step, where each layer's weights come from HBM), in one CUDA graph (as
 # the engine replays them): per-launch gaps are counted, host launch cost is not.
@@ -290,69 +284,6 @@ def _gemv_base(m: int, n: int, k: int) -> dict:
     return default_gemv_config(m, n, k, torch.device("cuda"))
 
 
-def bench_dense_gemv(
-    n: int, k: int, copy_bps: float, device, tune: bool
-) -> tuple[list[dict], dict]:
-    """dense_gemv vs F.linear (cuBLAS), both timed as a chain over weight copies larger than
-    the L2 in one CUDA graph; `tune` sweeps BLOCK_N x BLOCK_K x SPLIT_K per M."""
-    from kernels.triton.dense_gemv import choose_config, shape_key
-
-    w = torch.randn(n, k, device=device, dtype=torch.bfloat16) / math.sqrt(k)
-    per_copy = n * k * 2
-    copies = max(2, min(LINEAR_CHAIN_MAX, math.ceil(LINEAR_CHAIN_BYTES / per_copy)))
-    weights = [w] + [w.clone() for _ in range(copies - 1)]
-    rows, tuned = [], {}
-    for m in DENSE_GEMV_TOKENS:
-        x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
-        nbytes = per_copy + m * k * 2 + m * n * 2
-        cfg = choose_config(m, n, k, device)  # what the engine gets today
-        if tune:
-            time_cfg = functools.partial(_time_dense_gemv_chain, x, weights, warm=False)
-            cfg = _tune_dense_gemv(time_cfg, cfg, m, k)
-            tuned[shape_key(m, n, k)] = cfg
-        ms = _time_dense_gemv_chain(x, weights, cfg)
-        ref_ms = _time_chain([functools.partial(F.linear, x, wc) for wc in weights])
-        row = _row("dense_gemv", f"{n}x{k} M={m}", nbytes, ms, ref_ms, copy_bps, cfg)
-        row["chain"] = copies
-        rows.append(row)
-        print_rows([row])
-    return rows, tuned
-
-
-def _time_dense_gemv_chain(x, weights, cfg, warm=True) -> float:
-    """ms per dense_gemv call, each on its own weight copy, chained in one graph."""
-    from kernels.triton.dense_gemv import dense_gemv
-
-    calls = [functools.partial(dense_gemv, x, w, config=cfg) for w in weights]
-    return _time_chain(calls, warmup_ms=25 if warm else 5, rep_ms=150 if warm else 30)
-
-
-def _tune_dense_gemv(time_cfg, base: dict, m: int, k: int) -> dict:
-    """The fastest of the current config and BLOCK_N x BLOCK_K x SPLIT_K over the tiles
-    that compile without spills at this M (dense_gemv.tile_fits); splits that round to the
-    same effective split (the wrapper drops empty ones) are timed once."""
-    from kernels.triton.dense_gemv import tile_fits
-
-    cands = [base]
-    for bn, bk in itertools.product((8, 16, 32, 64), (64, 128, 256, 512)):
-        if not tile_fits(m, bn, bk) or bk > k:
-            continue
-        k_steps = math.ceil(k / bk)
-        effective = {math.ceil(k_steps / math.ceil(k_steps / min(sp, k_steps)))
-                     for sp in (1, 2, 4, 8, 16)}  # fmt: skip
-        cands += [dict(BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=sp, num_warps=4) for sp in sorted(effective)]
-    best, best_ms = base, float("inf")
-    for cfg in cands:
-        try:
-            ms = time_cfg(cfg)
-        except Exception as err:  # a config can fail to compile or launch
-            print(f"  skip {cfg}: {type(err).__name__}")
-            continue
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    return best
-
-
 def _row(op, case, nbytes, ms, ref_ms, copy_bps, cfg) -> dict:
     gbs = nbytes / (ms * 1e-3) / 1e9
     return dict(op=op, case=case, bytes=int(nbytes), ms=ms, gb_s=gbs,
@@ -455,7 +386,7 @@ def run(
     device = torch.device("cuda")
     torch.manual_seed(0)
     copy_bps = copy_bandwidth(device)
-    rows, tables = [], {"fused_moe": {}, "fp8_linear": {}, "dense_gemv": {}}
+    rows, tables = [], {"fused_moe": {}, "fp8_linear": {}}
     for case in MOE_CASES:
         if not _selected(only, case.name):
             continue
@@ -474,12 +405,6 @@ def run(
         r, t = bench_linear(n, k, copy_bps, device, tune, ENGINE_LINEAR_TOKENS, (False,))
         rows += r
         tables["fp8_linear"].update(t)
-    for n, k in DENSE_GEMV_SHAPES:
-        if not _selected(only, f"dense_gemv {n}x{k} moonlight"):
-            continue
-        r, t = bench_dense_gemv(n, k, copy_bps, device, tune)
-        rows += r
-        tables["dense_gemv"].update(t)
     print_table(copy_bps, rows)
     if tune and tuned_dir is not None:
         from kernels.triton.configs import CONFIG_DIR, device_key

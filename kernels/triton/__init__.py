@@ -4,7 +4,6 @@ file when small) and a plain torch twin in kernels/reference/<op>.py.
 
 Ops (all plain functions on tensors, shapes documented on each):
   fp8_linear.fp8_block_linear      y = x W^T with FP8 E4M3 weights and 128x128 block scales
-  dense_gemv.dense_gemv            y = x W^T, bf16/fp16 weights, <= 8 rows (decode GEMV)
   fused_moe.fused_moe              routed experts (bf16 / FP8 block / MXFP4) in two launches
   moe_align.moe_align              tokens grouped by expert (the sort step of fused_moe)
   moe_router.moe_route             sigmoid / sqrtsoftplus, bias, group-limited top-k
