@@ -318,6 +318,9 @@ def _mxfp4_candidates(base: dict) -> list[dict]:
             dict(base, BLOCK_K=256, num_warps=8)]  # fmt: skip
     if base["BLOCK_M"] >= 32:
         out.append(dict(base, BLOCK_M=64, BLOCK_N=128, num_warps=8))
+    # Triton's own microscaled dot on the packed codes (the compiler's upcast and layouts)
+    out += [dict(base, MXFP4_DOT_SCALED=True), dict(base, BLOCK_N=128, MXFP4_DOT_SCALED=True),
+            dict(base, BLOCK_K=256, MXFP4_DOT_SCALED=True)]  # fmt: skip
     return out + _split_candidates(base)
 
 

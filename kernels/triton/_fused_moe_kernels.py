@@ -135,6 +135,7 @@ def _apply_weights(
     BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr,
     ASM: tl.constexpr,
+    DOT_SCALED: tl.constexpr = False,
 ):
     """acc [BLOCK_M, BLOCK_N] += a[:, k0:k0+BLOCK_K] @ W^T for one step's stored weights
     (from _load_weights), decoded in registers.
@@ -144,8 +145,19 @@ def _apply_weights(
     and odd columns in registers (one contiguous [BLOCK_M, BLOCK_K/2, 2] load, tl.split)
     instead of the weights being interleaved. The group scale is folded into each decoded
     weight (one bf16 multiply), so the dots accumulate straight into acc: no per-group
-    partial or epilogue."""
-    if WFMT == 3:
+    partial or epilogue.
+
+    MXFP4 with DOT_SCALED: Triton's own microscaled dot (`tl.dot_scaled`, bf16 x e2m1 with
+    E8M0 scales per 32) on the packed codes as stored, which leaves the upcast and its
+    operand layout to the compiler; a tuning candidate against the hand decode above."""
+    if WFMT == 3 and DOT_SCALED:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a = tl.load(a_ptr[:, None] + offs_k[None, :],
+                    mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)  # fmt: skip
+        codes_k = tl.reshape(codes, (BLOCK_K // 2, codes.shape[2]))  # bytes along K, rows
+        acc = tl.dot_scaled(a.to(tl.bfloat16), None, "bf16", codes_k, tl.trans(scales), "e2m1",
+                            acc)  # fmt: skip
+    elif WFMT == 3:
         HALF: tl.constexpr = BLOCK_K // 2
         offs_j = k0 // 2 + tl.arange(0, HALF)  # byte columns = pairs of k
         amask = mask_m[:, None, None] & (offs_j < K // 2)[None, :, None]
@@ -220,6 +232,7 @@ def moe_gate_up_kernel(
     BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr,
     MXFP4_ASM: tl.constexpr = True,  # PTX nibble decode (ignored under the interpreter)
+    MXFP4_DOT_SCALED: tl.constexpr = False,  # tl.dot_scaled instead of the hand decode
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -241,9 +254,9 @@ def moe_gate_up_kernel(
             wu, _ = _load_weights(w_e, ws_e, offs_n + I, mask_n, k0, D, stride_wn, stride_wsn,
                                   WFMT, BLOCK_K)  # fmt: skip
             acc_gate = _apply_weights(acc_gate, a_rows, mask_m, wg, wg, k0, D, WFMT, BLOCK_K,
-                                      F32_DOT, MXFP4_ASM)  # fmt: skip
+                                      F32_DOT, MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
             acc_up = _apply_weights(acc_up, a_rows, mask_m, wu, wu, k0, D, WFMT, BLOCK_K,
-                                    F32_DOT, MXFP4_ASM)  # fmt: skip
+                                    F32_DOT, MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
     else:
         # Codes pass through a decode before the dot, and Triton does not pipeline such
         # loads: the next step's codes are loaded before this step's math (a register
@@ -258,9 +271,9 @@ def moe_gate_up_kernel(
             nwu, nsu = _load_weights(w_e, ws_e, offs_n + I, mask_n, k0 + BLOCK_K, D, stride_wn,
                                      stride_wsn, WFMT, BLOCK_K)  # fmt: skip
             acc_gate = _apply_weights(acc_gate, a_rows, mask_m, wg, sg, k0, D, WFMT, BLOCK_K,
-                                      F32_DOT, MXFP4_ASM)  # fmt: skip
+                                      F32_DOT, MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
             acc_up = _apply_weights(acc_up, a_rows, mask_m, wu, su, k0, D, WFMT, BLOCK_K,
-                                    F32_DOT, MXFP4_ASM)  # fmt: skip
+                                    F32_DOT, MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
             wg, sg, wu, su = nwg, nsg, nwu, nsu
     h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     h_out = h_ptr + pairs.to(tl.int64)[:, None] * stride_hp + offs_n[None, :]
@@ -297,6 +310,7 @@ def moe_down_kernel(
     BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr,
     MXFP4_ASM: tl.constexpr = True,  # PTX nibble decode (ignored under the interpreter)
+    MXFP4_DOT_SCALED: tl.constexpr = False,  # tl.dot_scaled instead of the hand decode
     SPLIT_K: tl.constexpr = 1,  # grid axis 2: K splits, each adding its partial into y
 ):
     pid_m = tl.program_id(0)
@@ -321,7 +335,7 @@ def moe_down_kernel(
             w, _ = _load_weights(w_e, ws_e, offs_n, mask_n, k0, k_end, stride_wn, stride_wsn,
                                  WFMT, BLOCK_K)  # fmt: skip
             acc = _apply_weights(acc, a_rows, mask_m, w, w, k0, k_end, WFMT, BLOCK_K, F32_DOT,
-                                 MXFP4_ASM)  # fmt: skip
+                                 MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
     else:  # next step's codes loaded before this step's math, as in moe_gate_up_kernel
         w, s = _load_weights(w_e, ws_e, offs_n, mask_n, k_lo, k_end, stride_wn, stride_wsn,
                              WFMT, BLOCK_K)  # fmt: skip
@@ -329,7 +343,7 @@ def moe_down_kernel(
             nw, ns = _load_weights(w_e, ws_e, offs_n, mask_n, k0 + BLOCK_K, k_end, stride_wn,
                                    stride_wsn, WFMT, BLOCK_K)  # fmt: skip
             acc = _apply_weights(acc, a_rows, mask_m, w, s, k0, k_end, WFMT, BLOCK_K, F32_DOT,
-                                 MXFP4_ASM)  # fmt: skip
+                                 MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
             w, s = nw, ns
     if not DENSE:
         route_w = tl.load(topk_weights_ptr + pairs, mask=mask_m, other=0.0)

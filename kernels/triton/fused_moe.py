@@ -190,7 +190,8 @@ def fused_moe(
     s2, *s2_strides = _scale_args(w2, w2_scale, expert_dim=True)
     launch = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
     meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                F32_DOT=interpreting(), MXFP4_ASM=cfg.get("MXFP4_ASM", True))  # fmt: skip
+                F32_DOT=interpreting(), MXFP4_ASM=cfg.get("MXFP4_ASM", True),
+                MXFP4_DOT_SCALED=cfg.get("MXFP4_DOT_SCALED", False))  # fmt: skip
     pairs, groups = align.sorted_pairs, align.block_expert
 
     moe_gate_up_kernel[(max_blocks, triton.cdiv(i, cfg["BLOCK_N"]))](

@@ -130,6 +130,16 @@ def test_fused_moe_down_split_k(fmt, split):
     assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
 
 
+@pytest.mark.parametrize("t,block_m,block_k", [(1, 16, 64), (6, 16, 128), (40, 32, 64)])
+def test_fused_moe_mxfp4_through_dot_scaled(t, block_m, block_k):
+    # the tl.dot_scaled candidate: the same result as the reference from the packed codes
+    args, kw = make_moe(t, d=128, i=96, e=5, a=2, fmt="mxfp4", seed=t)
+    cfg = dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=block_k, MXFP4_DOT_SCALED=True,
+               num_warps=4, num_stages=2)  # fmt: skip
+    out = fused_moe(*args, **kw, config=cfg)
+    assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
+
+
 @pytest.mark.parametrize("block_k", [32, 128, 256])
 def test_fused_moe_mxfp4_wide_k_steps(block_k):
     # K = 96 is not a multiple of a 128 or 256 step: its last groups are masked
