@@ -113,7 +113,9 @@ class LLMEngine:
         return torch.Generator(device=self.runner.device).manual_seed(seed)
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_work()
+        # A launched step still to resolve counts as work (async scheduling): after the last
+        # sequence stops on a token, the step launched behind it is still in flight.
+        return self.scheduler.has_work() or self._inflight is not None
 
     @property
     def num_waiting(self) -> int:

@@ -123,3 +123,76 @@ def test_preemption_with_a_pending_token(tiny_llama):
 def test_async_scheduling_refuses_speculative_tokens(tiny_llama):
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(str(tiny_llama), async_scheduling=True, speculative_tokens=1)
+
+
+def test_no_step_left_in_flight_when_the_last_sequence_stops_on_a_token(tiny_llama):
+    # The last sequence stops on a token that a resolve reads one launch late: the step
+    # launched after it (for that sequence alone) must be resolved before the engine says
+    # it is done, not left in flight for whatever runs next.
+    llm = LLM(str(tiny_llama), dtype="float32", async_scheduling=True)
+    free = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    third = llm.generate([PROMPTS[0]], free)[0].outputs[0].token_ids[2]
+    params = SamplingParams(temperature=0, max_tokens=8, stop_token_ids=[third])
+    out = llm.generate([PROMPTS[0]], params)[0].outputs[0]
+    assert out.stop_reason == third and len(out.token_ids) == 3
+    assert not llm.engine.has_unfinished() and llm.engine._inflight is None
+    again = llm.generate([PROMPTS[1]], free)[0].outputs[0].token_ids
+    ref = LLM(str(tiny_llama), dtype="float32", async_scheduling=False)
+    assert again == ref.generate([PROMPTS[1]], free)[0].outputs[0].token_ids
+
+
+def test_a_preempted_sequence_stops_while_waiting(tiny_llama, common_token):
+    # A sequence preempted while its last token is pending goes back to the queue; when
+    # that token turns out to be a stop, the resolve must finish it out of the queue.
+    params = SamplingParams(
+        temperature=0, max_tokens=6, stop_token_ids=[common_token], ignore_eos=True
+    )
+    requests = reqs(lambda i: params)
+    llm = LLM(
+        str(tiny_llama),
+        dtype="float32",
+        block_size=4,
+        kv_cache_memory=512 * 48,
+        async_scheduling=True,
+    )
+    scheduler, finished_waiting = llm.engine.scheduler, []
+    finish = scheduler.finish
+
+    def watched(seq):
+        if seq in scheduler.waiting:
+            finished_waiting.append(seq.finish_reason)
+        finish(seq)
+
+    scheduler.finish = watched
+    got = completions(llm.stream(requests))
+    assert "stop" in finished_waiting
+    assert not scheduler.waiting and not scheduler.running
+    assert scheduler.blocks.num_free == llm.engine.runner.num_blocks
+    ref = LLM(str(tiny_llama), dtype="float32", async_scheduling=False)
+    assert got == completions(ref.stream(requests))
+
+
+@pytest.mark.parametrize("prompt_len", [30, 31])
+def test_length_limits_and_min_tokens(tiny_llama, common_token, prompt_len):
+    # max_tokens 1 and 2 (the pending token is the last), a prompt one or two tokens short
+    # of max_model_len, and min_tokens (banned stop ids while the placeholder counts).
+    long_prompt = [(7 * j) % 300 + 2 for j in range(prompt_len)]
+    requests = [
+        Request("one", PROMPTS[1], SamplingParams(temperature=0, max_tokens=1)),
+        Request("two", PROMPTS[2], SamplingParams(temperature=0, max_tokens=2)),
+        Request("long", long_prompt, SamplingParams(temperature=0, max_tokens=8)),
+        *[
+            Request(
+                f"min{i}",
+                p,
+                SamplingParams(
+                    temperature=0, max_tokens=10, min_tokens=4, stop_token_ids=[common_token]
+                ),
+            )
+            for i, p in enumerate(PROMPTS)
+        ],
+    ]
+    sync, asyn = run_both(tiny_llama, requests, max_model_len=32)
+    assert asyn == sync
+    assert len(sync["one"][0][0]) == 1 and len(sync["two"][0][0]) == 2
+    assert len(sync["long"][0][0]) == 32 - prompt_len
