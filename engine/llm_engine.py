@@ -133,10 +133,11 @@ class LLMEngine:
         resolved = False
         if self._inflight is not None:
             batch = self._without_length_finished(batch)
-            if batch.seqs and batch.is_decode:
-                launched = self._launch(batch, self._inflight)
-                finished += self._resolve(self._inflight)
-                self._inflight = launched
+            if batch.seqs and batch.is_decode and self.async_scheduling:
+                # The launched step is recorded before the previous one is resolved, so an
+                # error while resolving cannot lose it.
+                previous, self._inflight = self._inflight, self._launch(batch, self._inflight)
+                finished += self._resolve(previous)
                 return finished
             # A prefill or mixed step reads its inputs on the host: resolve first, then run
             # it without the sequences that stopped.

@@ -196,3 +196,24 @@ def test_length_limits_and_min_tokens(tiny_llama, common_token, prompt_len):
     assert asyn == sync
     assert len(sync["one"][0][0]) == 1 and len(sync["two"][0][0]) == 2
     assert len(sync["long"][0][0]) == 32 - prompt_len
+
+
+def test_turning_async_off_mid_run_resolves_at_the_next_step(tiny_llama):
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm = LLM(str(tiny_llama), dtype="float32", async_scheduling=True)
+    engine = llm.engine
+    for i, prompt in enumerate(PROMPTS[:3]):
+        engine.add_request(f"r{i}", prompt, params)
+    outs = []
+    while engine._inflight is None:  # prefill, then the first launched decode step
+        outs += engine.step()
+    engine.async_scheduling = False
+    outs += engine.step()
+    assert engine._inflight is None  # resolved, and this step ran synchronously
+    while engine.has_unfinished():
+        outs += engine.step()
+        assert engine._inflight is None
+    ref = LLM(str(tiny_llama), dtype="float32", async_scheduling=False)
+    want = ref.generate(PROMPTS[:3], params)
+    got = {o.request_id: o.outputs[0].token_ids for o in outs}
+    assert [got[f"r{i}"] for i in range(3)] == [o.outputs[0].token_ids for o in want]
