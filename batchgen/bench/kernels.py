@@ -229,6 +229,37 @@ def bench_linear(
     return rows, tuned
 
 
+def time_linear_paths(device) -> list[dict]:
+    """Each FP8 linear path at decode sizes, by its default config: the GEMV, the tl.dot
+    kernel with bf16 decode, and native FP8 (what `fp8_block_linear`'s default choice of
+    path rests on). us per call in the same over-L2 graph chains as the other rows."""
+    from kernels.reference.quant_formats import random_fp8_block
+    from kernels.triton.fp8_linear import default_config, default_gemv_config
+
+    rows = []
+    for n, k in ENGINE_LINEAR_SHAPES + LINEAR_SHAPES[:1]:
+        q, s = random_fp8_block((n, k), device=device)
+        copies = max(2, min(LINEAR_CHAIN_MAX, math.ceil(LINEAR_CHAIN_BYTES / (n * k))))
+        weights = [(q, s)] + [(q.clone(), s.clone()) for _ in range(copies - 1)]
+        for m in (1, 2, 8):
+            x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
+            dot = default_config(16, n, k, device)  # the dot kernel's small-M config
+            row = {"n": n, "k": k, "m": m}
+            row["gemv_us"] = 1e3 * _time_linear_chain(
+                x, weights, False, default_gemv_config(m, n, k, device)
+            )
+            row["dot_us"] = 1e3 * _time_linear_chain(x, weights, False, dot)
+            row["native_us"] = 1e3 * _time_linear_chain(
+                x, weights, True, default_config(m, n, k, device, True)
+            )
+            rows.append(row)
+            print(
+                f"fp8 linear paths {n}x{k} M={m}: gemv {row['gemv_us']:.1f} us, "
+                f"dot {row['dot_us']:.1f} us, native {row['native_us']:.1f} us"
+            )
+    return rows
+
+
 def _time_linear_chain(x, weights, native, cfg, warm=True) -> float:
     """ms per fp8_block_linear call, each on its own weight copy, chained in one graph."""
     from kernels.triton.fp8_linear import fp8_block_linear
@@ -434,6 +465,8 @@ def run(
 @click.option("--name", default="kernels-h200", show_default=True, help="JSON file name.")
 @click.option("--tune-max-tokens", type=int, default=TUNE_MAX_TOKENS, show_default=True,
               help="MoE token counts up to which --tune sweeps configs.")  # fmt: skip
+@click.option("--linear-paths", is_flag=True,
+              help="Only time the FP8 linear's GEMV, dot and native paths at decode sizes.")  # fmt: skip
 def command(
     tune: bool,
     tuned_dir: Path | None,
@@ -442,8 +475,17 @@ def command(
     no_linear: bool,
     name: str,
     tune_max_tokens: int,
+    linear_paths: bool,
 ) -> None:
     """Fused MoE and FP8 linear: GB/s and % of copy bandwidth, vs plain torch."""
+    if linear_paths:
+        if not torch.cuda.is_available():
+            raise click.ClickException("bench kernels needs a CUDA GPU")
+        device = torch.device("cuda")
+        payload = {"copy_tb_s": copy_bandwidth(device) / 1e12, "unit": "us per call",
+                   "results": time_linear_paths(device)}  # fmt: skip
+        click.echo(f"wrote {write_result(name, payload)}")
+        return
     counts = tuple(int(v) for v in tokens.split(",") if v.strip())
     payload = run(tune=tune, tuned_dir=tuned_dir, only=only, tokens=counts,
                   linear=not no_linear, tune_max_tokens=tune_max_tokens)  # fmt: skip
