@@ -1,15 +1,19 @@
-"""Fused MoE for routed experts (and optionally the shared expert) in four launches:
+"""Fused MoE for routed experts (and optionally the shared expert) in three or four
+launches:
 
 Legend: T tokens, D hidden, I expert intermediate, E experts, A experts per token,
 P = T*A (token, expert) pairs.
 
-  1. moe_align groups the P pairs by expert, padded to BLOCK_M tiles (one Triton launch,
-     no sync), and zeroes the float32 accumulator y [T, D] in the same launch.
+  1. moe_align groups the P pairs by expert, padded to BLOCK_M tiles (one Triton launch
+     for one chunk of pairs, two above; no sync), and zeroes the float32 accumulator
+     y [T, D] in the same launch.
   2. gate+up: one GEMM over the stacked [E, 2I, D] weight (gate rows first, then up),
      SiLU(gate) * up fused in the epilogue -> h [P, I].
   3. down: h @ W2[e]^T over [E, D, I], times the pair's routing weight, atomically added
-     into the token's row of y (the combine, no [P, D] buffer and no reduction launch).
-  4. y -> x's dtype.
+     into the token's row of y (the combine, no [P, D] buffer and no reduction launch;
+     optionally split along K, the splits meeting in the same atomics).
+  4. y -> x's dtype, unless the caller takes the float32 y (out_dtype), as the engine does:
+     its next step is the fused RMSNorm's residual add.
 A shared expert (DeepSeek's, unweighted) adds two launches of the same kernels in DENSE
 mode (every row is one token, one expert, no alignment), accumulating into the same y, so
 `routed + shared` costs no add either.
@@ -19,7 +23,9 @@ expert ([E, ceil(N/128), ceil(K/128)], float32 or E8M0 uint8); "mxfp4": packed u
 [E, N, K/2] with E8M0 scales [E, N, K/32]. Codes are decoded in registers. MXFP4 decodes
 each nibble to bf16 with its group scale folded in (exact for E8M0 scales up to 2^1, i.e.
 |w| <= 12, which every real checkpoint's experts are far inside; a larger scale is clamped
-to 2^1) and multiplies bf16 activations (fp16 ones are rounded to bf16 first).
+to 2^1, and the engine refuses such checkpoints at load) and multiplies bf16 activations
+(fp16 ones are rounded to bf16 first); `MXFP4_DOT_SCALED` in a config uses Triton's
+tl.dot_scaled on the stored codes instead.
 
 Decode shapes (few pairs per expert) use BLOCK_M=16 and narrow N tiles so the few touched
 experts' weights are spread over every SM; prefill shapes use larger BLOCK_M. Configs come
