@@ -44,6 +44,14 @@ def count_launches(runner) -> list[int]:
     return counter
 
 
+def cramped_async_llm(model) -> LLM:
+    """12 blocks of 4 tokens (512 bytes per token): far less than the prompts need, so
+    sequences are preempted, some while their last token is pending."""
+    return LLM(
+        str(model), dtype="float32", block_size=4, kv_cache_memory=512 * 48, async_scheduling=True
+    )
+
+
 def reqs(params_for):
     return [Request(f"r{i}", p, params_for(i)) for i, p in enumerate(PROMPTS)]
 
@@ -99,13 +107,7 @@ def test_preemption_with_a_pending_token(tiny_llama):
     # 12 blocks of 4 tokens: sequences are preempted while their last token is pending.
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     requests = reqs(lambda i: params)
-    llm = LLM(
-        str(tiny_llama),
-        dtype="float32",
-        block_size=4,
-        kv_cache_memory=512 * 48,
-        async_scheduling=True,
-    )
+    llm = cramped_async_llm(tiny_llama)
     scheduler, pending_preempted = llm.engine.scheduler, []
     preempt = scheduler._preempt
 
@@ -148,13 +150,7 @@ def test_a_preempted_sequence_stops_while_waiting(tiny_llama, common_token):
         temperature=0, max_tokens=6, stop_token_ids=[common_token], ignore_eos=True
     )
     requests = reqs(lambda i: params)
-    llm = LLM(
-        str(tiny_llama),
-        dtype="float32",
-        block_size=4,
-        kv_cache_memory=512 * 48,
-        async_scheduling=True,
-    )
+    llm = cramped_async_llm(tiny_llama)
     scheduler, finished_waiting = llm.engine.scheduler, []
     finish = scheduler.finish
 
