@@ -49,6 +49,11 @@ MOE_CASES = [
     MoeCase("moonlight-mxfp4", 2048, 1408, 64, 6, "mxfp4", (1, 8, 64)),
     MoeCase("deepseek-v3-fp8", 7168, 2048, 256, 8, "fp8", (1, 4, 8, 32, 64)),
     MoeCase("v4-flash-mxfp4", 4096, 2048, 256, 6, "mxfp4", (1, 4, 8, 32, 64)),
+    # Moonlight's two shared experts as one (I = 2 x 1408), every token on it: the engine
+    # runs it in the fused launches up to 64 tokens, and its tuned entry (E1, A1) is the
+    # one fused_moe.dense_config reads.
+    MoeCase("moonlight-shared-bf16", 2048, 2816, 1, 1, "bf16", (1, 8, 32, 64)),
+    MoeCase("moonlight-shared-fp8", 2048, 2816, 1, 1, "fp8", (1, 8, 32, 64)),
 ]
 LINEAR_SHAPES = [(18432, 7168), (7168, 18432), (32768, 4096), (4096, 32768)]  # (N, K)
 LINEAR_TOKENS = (1, 8, 64, 512)
@@ -169,7 +174,8 @@ def bench_moe(
         nbytes = distinct * per_expert + t * case.d * 2 * 2  # + x read, out written
         cfg = default_config(t * case.top_k, case.e, case.fmt)
         if tune and t <= tune_max_tokens:
-            cands = _mxfp4_candidates(cfg) if case.fmt == "mxfp4" else _moe_candidates(cfg)
+            cands = (_mxfp4_candidates(cfg) if case.fmt == "mxfp4"
+                     else _moe_candidates(cfg, case.fmt))  # fmt: skip
             cfg = _tune(lambda c, x=x, r=routings: graphed(
                 _moe_calls(fused_moe, x, weights, r, fmt=case.fmt, config=c)), cands)  # fmt: skip
             tuned[shape_key(t, case.top_k, case.e, case.d, case.i, case.fmt)] = cfg
@@ -322,11 +328,11 @@ def _row(op, case, nbytes, ms, ref_ms, copy_bps, cfg) -> dict:
                 torch_ms=ref_ms, speedup_vs_torch=ref_ms / ms, config=cfg)  # fmt: skip
 
 
-def _moe_candidates(base: dict) -> list[dict]:
+def _moe_candidates(base: dict, fmt: str) -> list[dict]:
     out = [base]
     for bn, stages, warps in itertools.product((32, 64, 128), (3, 5), (4,)):
         out.append(dict(base, BLOCK_N=bn, num_stages=stages, num_warps=warps))
-    return out + _split_candidates(base)
+    return out + _split_candidates(base) + _swap_candidates(base, fmt)
 
 
 def _split_candidates(base: dict) -> list[dict]:
@@ -334,25 +340,29 @@ def _split_candidates(base: dict) -> list[dict]:
     return [dict(base, SPLIT_K=split) for split in (2, 4)]
 
 
+def _swap_candidates(base: dict, fmt: str) -> list[dict]:
+    """Weights as the MMA's row side (SWAP_AB): wgmma needs 64 weight rows per warpgroup,
+    so N tiles of 64 or 128; the K step sets the bytes each step stages (FP8's must divide
+    its 128-wide scale blocks)."""
+    ks = {"bf16": (64, 128), "fp8": (64, 128), "mxfp4": (128, 256)}[fmt]
+    out = [dict(base, SWAP_AB=True, BLOCK_N=bn, BLOCK_K=bk, num_stages=st)
+           for bn, bk, st in itertools.product((64, 128), ks, (3, 4))]  # fmt: skip
+    best_guess = dict(base, SWAP_AB=True, BLOCK_N=64, BLOCK_K=ks[0], num_stages=3)
+    out += [dict(best_guess, SPLIT_K=split) for split in (2, 4)]
+    out.append(dict(best_guess, BLOCK_N=128, num_warps=8))
+    return out
+
+
 def _mxfp4_candidates(base: dict) -> list[dict]:
-    """MXFP4: the K step (two bf16 dots of BLOCK_K/2 per step), the N tile (how many programs
-    stream weights) and the stages (bytes in flight); and the base with the plain-Triton
-    nibble decode (MXFP4_ASM off), which the table keeps should it ever win."""
-    out = [base, dict(base, MXFP4_ASM=False)]
-    for bk, bn, stages in itertools.product((64, 128, 256), (32, 64, 128), (3, 4)):
-        cand = dict(base, BLOCK_K=bk, BLOCK_N=bn, num_stages=stages)
+    """MXFP4: the A @ W^T tiles that won before (decoded tiles through shared memory), Triton's
+    tl.dot_scaled, and the SWAP_AB tiles (decoded tiles straight into wgmma)."""
+    out = [base]
+    for bk, bn in ((128, 64), (64, 128), (128, 32)):
+        cand = dict(base, BLOCK_K=bk, BLOCK_N=bn, num_stages=3)
         if cand != base:
             out.append(cand)
-    # More warps per program: the decode is dependent integer chains, and with one 4-warp
-    # program per SM (T=1: 132 programs) nothing hides their latency.
-    out += [dict(base, num_warps=8), dict(base, BLOCK_N=128, num_warps=8),
-            dict(base, BLOCK_K=256, num_warps=8)]  # fmt: skip
-    if base["BLOCK_M"] >= 32:
-        out.append(dict(base, BLOCK_M=64, BLOCK_N=128, num_warps=8))
-    # Triton's own microscaled dot on the packed codes (the compiler's upcast and layouts)
-    out += [dict(base, MXFP4_DOT_SCALED=True), dict(base, BLOCK_N=128, MXFP4_DOT_SCALED=True),
-            dict(base, BLOCK_K=256, MXFP4_DOT_SCALED=True)]  # fmt: skip
-    return out + _split_candidates(base)
+    out += [dict(base, MXFP4_DOT_SCALED=True), dict(base, BLOCK_N=128, MXFP4_DOT_SCALED=True)]
+    return out + _split_candidates(base) + _swap_candidates(base, "mxfp4")
 
 
 def _linear_candidates(m: int, base: dict) -> list[dict]:

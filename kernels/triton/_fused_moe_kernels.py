@@ -6,6 +6,13 @@ Weight formats (WFMT): 0 bf16/fp16; 1 FP8 E4M3 with float32 128x128 block scales
 2 FP8 with E8M0 block scales; 3 MXFP4 (packed nibbles along K, E8M0 scale per 32 K;
 BLOCK_K a multiple of 32).
 Codes are decoded to the activation dtype in registers; nothing decoded is written back.
+
+SWAP_AB (a config choice) turns the tile around: acc [BLOCK_N, BLOCK_M] = W @ A^T, the
+weight rows as the MMA's M side and the few tokens as its N side. On Hopper that puts the
+weights on wgmma's register operand (64 rows per warpgroup), so decoded MXFP4/FP8 tiles go
+from registers straight into the MMA, where the A @ W^T orientation sends every decoded
+tile through shared memory into mma.sync's operand layout (the bf16 round trip is 4x the
+bytes of the codes it came from). The tokens side needs only 16 rows, which decode has.
 """
 
 from __future__ import annotations
@@ -84,6 +91,67 @@ def _mxfp4_weights(b, f, F32_DOT: tl.constexpr, ASM: tl.constexpr):
     return tl.reshape(w_lo, (rows, b.shape[2])), tl.reshape(w_hi, (rows, b.shape[2]))
 
 
+# SWAP_AB's decode of one code byte into the bf16x2 register the MMA operand wants (its
+# low nibble's weight at even k in the low half, the high nibble's at odd k in the high
+# half): b * 0x1001 puts b's high nibble at bits 16..19 beside the low one at 0..3, then the
+# same spread, mask and scale fma as above. 6 instructions per 2 weights.
+_MXFP4_PAIR_ASM = tl.constexpr("""
+{
+.reg .b32 v, f2, nz;
+mov.b32 nz, 0x80008000;
+mov.b32 f2, {$3, $3};
+mul.lo.u32 v, $2, 0x1001;
+and.b32 v, v, 0x000F000F;
+mul.lo.u32 v, v, 0x1040;
+and.b32 v, v, 0x81C081C0;
+fma.rn.bf16x2 v, v, f2, nz;
+mov.b32 {$0, $1}, v;
+}
+""")
+
+
+@triton.jit
+def _mxfp4_weight_rows(b, f, F32_DOT: tl.constexpr, ASM: tl.constexpr):
+    """SWAP_AB decode: codes b (uint8 [BN, BK/2], row-major bytes along K) and per-group
+    factors f (bf16 2^(s-1), [BN, BK/32]) -> weights bf16 [BN, BK] in natural K order (each
+    byte's low nibble at even k, high at odd: joined along a new last axis, then merged).
+    Bits and exactness as in _mxfp4_weights. One byte per asm call, not four: the compiler
+    places each byte where the MMA operand wants its pair of k, and four bytes pinned to
+    one thread would force a shuffle. ASM off (and under the interpreter): plain ops."""
+    BN: tl.constexpr = b.shape[0]
+    KB: tl.constexpr = b.shape[1]
+    fb = tl.reshape(tl.broadcast_to(f[:, :, None], (BN, KB // 16, 16)), (BN, KB))
+    if ASM and not F32_DOT:
+        w_lo, w_hi = tl.inline_asm_elementwise(
+            _MXFP4_PAIR_ASM,
+            "=h,=h,r,h",
+            [b.to(tl.int32), fb],
+            dtype=(tl.bfloat16, tl.bfloat16),
+            is_pure=True,
+            pack=1,
+        )
+    else:
+        bi = b.to(tl.int32)
+        lo = ((bi & 7) << 6) | ((bi & 8) << 12)
+        hi = ((bi & 0x70) << 2) | ((bi & 0x80) << 8)
+        if F32_DOT:  # see _mxfp4_weights
+            w_lo = (lo << 16).to(tl.float32, bitcast=True) * fb.to(tl.float32)
+            w_hi = (hi << 16).to(tl.float32, bitcast=True) * fb.to(tl.float32)
+        else:
+            w_lo = lo.to(tl.int16).to(tl.bfloat16, bitcast=True) * fb
+            w_hi = hi.to(tl.int16).to(tl.bfloat16, bitcast=True) * fb
+    return tl.reshape(tl.join(w_lo, w_hi), (BN, 2 * KB))
+
+
+@triton.jit
+def _mxfp4_factors(scales):
+    """E8M0 scale bytes -> bf16 2^(s-1): the bits (s + 126) << 7. Exact for s <= 128
+    (scales <= 2, |w| <= 12: every real checkpoint); beyond, the factor would overflow bf16
+    (the engine refuses such checkpoints at load)."""
+    f = ((tl.minimum(scales.to(tl.int32), 128) + 126) << 7).to(tl.int16)
+    return f.to(tl.bfloat16, bitcast=True)
+
+
 @triton.jit
 def _load_weights(
     w_ptr,  # this expert's weight base
@@ -96,12 +164,31 @@ def _load_weights(
     stride_wsn,
     WFMT: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    SWAP_AB: tl.constexpr = False,
 ):
     """One K step's stored weights for `rows`: (codes, scales) as stored, not decoded.
     bf16/FP8: codes [BLOCK_K, BLOCK_N] and (FP8) the [BLOCK_N] block scales of k0's 128-block;
     MXFP4: packed bytes [BLOCK_K/32, 16, BLOCK_N] (group, byte in group, row) and E8M0 scales
-    [BLOCK_K/32, BLOCK_N]. Steps past K load nothing (all masked)."""
-    if WFMT == 3:
+    [BLOCK_K/32, BLOCK_N]. SWAP_AB: rows first, [BLOCK_N, BLOCK_K] (MXFP4 [BLOCK_N, BLOCK_K/2]
+    bytes and [BLOCK_N, BLOCK_K/32] scales). Steps past K load nothing (all masked)."""
+    if SWAP_AB and WFMT == 3:
+        GROUPS: tl.constexpr = BLOCK_K // 32
+        offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        offs_g = k0 // 32 + tl.arange(0, GROUPS)
+        codes = tl.load(w_ptr + rows[:, None] * stride_wn + offs_j[None, :],
+                        mask=mask_n[:, None] & (offs_j < K // 2)[None, :], other=0)  # fmt: skip
+        scales = tl.load(ws_ptr + rows[:, None] * stride_wsn + offs_g[None, :],
+                         mask=mask_n[:, None] & (offs_g < K // 32)[None, :], other=0)  # fmt: skip
+    elif SWAP_AB:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        codes = tl.load(w_ptr + rows[:, None] * stride_wn + offs_k[None, :],
+                        mask=mask_n[:, None] & (offs_k < K)[None, :], other=0.0)  # fmt: skip
+        if WFMT == 0:
+            scales = mask_n  # unused
+        else:
+            scales = tl.load(ws_ptr + (rows // 128) * stride_wsn + k0 // 128,
+                             mask=mask_n & (rows * 0 + k0 < K), other=0)  # fmt: skip
+    elif WFMT == 3:
         GROUPS: tl.constexpr = BLOCK_K // 32
         offs_g = k0 // 32 + tl.arange(0, GROUPS)
         mask_g = offs_g < K // 32  # K is a multiple of 32: a group is wholly in or out
@@ -136,9 +223,11 @@ def _apply_weights(
     F32_DOT: tl.constexpr,
     ASM: tl.constexpr,
     DOT_SCALED: tl.constexpr = False,
+    SWAP_AB: tl.constexpr = False,
 ):
     """acc [BLOCK_M, BLOCK_N] += a[:, k0:k0+BLOCK_K] @ W^T for one step's stored weights
-    (from _load_weights), decoded in registers.
+    (from _load_weights), decoded in registers. SWAP_AB: acc [BLOCK_N, BLOCK_M] += W @ a^T,
+    one dot per step whatever the format (the weights decoded in natural K order).
 
     MXFP4: two bf16 dots of depth BLOCK_K/2: even k (low nibbles) and odd k (high nibbles).
     The sum over k does not care about k's order, so the activations are split into even
@@ -150,7 +239,23 @@ def _apply_weights(
     MXFP4 with DOT_SCALED: Triton's own microscaled dot (`tl.dot_scaled`, bf16 x e2m1 with
     E8M0 scales per 32) on the packed codes as stored, which leaves the upcast and its
     operand layout to the compiler; a tuning candidate against the hand decode above."""
-    if WFMT == 3 and DOT_SCALED:
+    if SWAP_AB:
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        a_t = tl.load(a_ptr[None, :] + offs_k[:, None],
+                      mask=mask_m[None, :] & (offs_k < K)[:, None], other=0.0)  # fmt: skip
+        if WFMT == 3:
+            w = _mxfp4_weight_rows(codes, _mxfp4_factors(scales), F32_DOT, ASM)
+            acc = mma(w, a_t.to(tl.bfloat16), acc, F32_DOT)
+        elif WFMT == 0:
+            acc = mma(codes, a_t, acc, F32_DOT)
+        else:
+            s = scales
+            if WFMT == 2:
+                s = e8m0_to_f32(s)
+            part = tl.zeros(acc.shape, dtype=tl.float32)
+            part = mma(codes.to(a_t.dtype), a_t, part, F32_DOT)
+            acc += part * s[:, None]
+    elif WFMT == 3 and DOT_SCALED:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr[:, None] + offs_k[None, :],
                     mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)  # fmt: skip
@@ -165,12 +270,7 @@ def _apply_weights(
         a = tl.load(a_ptr[:, None, None] + 2 * offs_j[None, :, None] + parity[None, None, :],
                     mask=amask, other=0.0)  # fmt: skip
         a_even, a_odd = tl.split(a)  # [BLOCK_M, HALF] each
-        # bf16 bits of 2^(s-1). Exact for s <= 128 (scales <= 2, |w| <= 12: every real
-        # checkpoint); beyond, the factor would overflow bf16 (the engine refuses such
-        # checkpoints at load).
-        f = ((tl.minimum(scales.to(tl.int32), 128) + 126) << 7).to(tl.int16)
-        f = f.to(tl.bfloat16, bitcast=True)[:, None, :]
-        w_lo, w_hi = _mxfp4_weights(codes, f, F32_DOT, ASM)
+        w_lo, w_hi = _mxfp4_weights(codes, _mxfp4_factors(scales)[:, None, :], F32_DOT, ASM)
         acc = mma(a_even.to(tl.bfloat16), w_lo, acc, F32_DOT)
         acc = mma(a_odd.to(tl.bfloat16), w_hi, acc, F32_DOT)
     else:
@@ -233,6 +333,7 @@ def moe_gate_up_kernel(
     F32_DOT: tl.constexpr,
     MXFP4_ASM: tl.constexpr = True,  # PTX nibble decode (ignored under the interpreter)
     MXFP4_DOT_SCALED: tl.constexpr = False,  # tl.dot_scaled instead of the hand decode
+    SWAP_AB: tl.constexpr = False,  # acc [BLOCK_N, BLOCK_M] = W @ x^T (module docstring)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -245,18 +346,21 @@ def moe_gate_up_kernel(
     mask_n = offs_n < I
     w_e = w_ptr + expert.to(tl.int64) * stride_we
     ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
-    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if WFMT == 0:  # bf16 operands go straight into tl.dot, which Triton pipelines itself
+    ACC: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N)
+    acc_gate = tl.zeros(ACC, dtype=tl.float32)
+    acc_up = tl.zeros(ACC, dtype=tl.float32)
+    if WFMT == 0 or SWAP_AB:
+        # Loads inside the step: Triton pipelines them itself (bf16 operands go straight
+        # into tl.dot; swapped codes are staged through shared memory as codes, not decoded).
         for k0 in range(0, D, BLOCK_K):
-            wg, _ = _load_weights(w_e, ws_e, offs_n, mask_n, k0, D, stride_wn, stride_wsn,
-                                  WFMT, BLOCK_K)  # fmt: skip
-            wu, _ = _load_weights(w_e, ws_e, offs_n + I, mask_n, k0, D, stride_wn, stride_wsn,
-                                  WFMT, BLOCK_K)  # fmt: skip
-            acc_gate = _apply_weights(acc_gate, a_rows, mask_m, wg, wg, k0, D, WFMT, BLOCK_K,
-                                      F32_DOT, MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
-            acc_up = _apply_weights(acc_up, a_rows, mask_m, wu, wu, k0, D, WFMT, BLOCK_K,
-                                    F32_DOT, MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
+            wg, sg = _load_weights(w_e, ws_e, offs_n, mask_n, k0, D, stride_wn, stride_wsn,
+                                   WFMT, BLOCK_K, SWAP_AB)  # fmt: skip
+            wu, su = _load_weights(w_e, ws_e, offs_n + I, mask_n, k0, D, stride_wn, stride_wsn,
+                                   WFMT, BLOCK_K, SWAP_AB)  # fmt: skip
+            acc_gate = _apply_weights(acc_gate, a_rows, mask_m, wg, sg, k0, D, WFMT, BLOCK_K,
+                                      F32_DOT, MXFP4_ASM, MXFP4_DOT_SCALED, SWAP_AB)  # fmt: skip
+            acc_up = _apply_weights(acc_up, a_rows, mask_m, wu, su, k0, D, WFMT, BLOCK_K,
+                                    F32_DOT, MXFP4_ASM, MXFP4_DOT_SCALED, SWAP_AB)  # fmt: skip
     else:
         # Codes pass through a decode before the dot, and Triton does not pipeline such
         # loads: the next step's codes are loaded before this step's math (a register
@@ -276,8 +380,12 @@ def moe_gate_up_kernel(
                                     F32_DOT, MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
             wg, sg, wu, su = nwg, nsg, nwu, nsu
     h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
-    h_out = h_ptr + pairs.to(tl.int64)[:, None] * stride_hp + offs_n[None, :]
-    tl.store(h_out, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    if SWAP_AB:
+        h_out = h_ptr + pairs.to(tl.int64)[None, :] * stride_hp + offs_n[:, None]
+        tl.store(h_out, h.to(h_ptr.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
+    else:
+        h_out = h_ptr + pairs.to(tl.int64)[:, None] * stride_hp + offs_n[None, :]
+        tl.store(h_out, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -312,6 +420,7 @@ def moe_down_kernel(
     MXFP4_ASM: tl.constexpr = True,  # PTX nibble decode (ignored under the interpreter)
     MXFP4_DOT_SCALED: tl.constexpr = False,  # tl.dot_scaled instead of the hand decode
     SPLIT_K: tl.constexpr = 1,  # grid axis 2: K splits, each adding its partial into y
+    SWAP_AB: tl.constexpr = False,  # acc [BLOCK_N, BLOCK_M] = W @ h^T (module docstring)
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -329,13 +438,13 @@ def moe_down_kernel(
     steps_per_split = tl.cdiv(tl.cdiv(I, BLOCK_K), SPLIT_K)
     k_lo = tl.program_id(2) * steps_per_split * BLOCK_K
     k_end = tl.minimum(I, k_lo + steps_per_split * BLOCK_K)
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    if WFMT == 0:
+    acc = tl.zeros((BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if WFMT == 0 or SWAP_AB:  # loads inside the step, as in moe_gate_up_kernel
         for k0 in range(k_lo, k_end, BLOCK_K):
-            w, _ = _load_weights(w_e, ws_e, offs_n, mask_n, k0, k_end, stride_wn, stride_wsn,
-                                 WFMT, BLOCK_K)  # fmt: skip
-            acc = _apply_weights(acc, a_rows, mask_m, w, w, k0, k_end, WFMT, BLOCK_K, F32_DOT,
-                                 MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
+            w, s = _load_weights(w_e, ws_e, offs_n, mask_n, k0, k_end, stride_wn, stride_wsn,
+                                 WFMT, BLOCK_K, SWAP_AB)  # fmt: skip
+            acc = _apply_weights(acc, a_rows, mask_m, w, s, k0, k_end, WFMT, BLOCK_K, F32_DOT,
+                                 MXFP4_ASM, MXFP4_DOT_SCALED, SWAP_AB)  # fmt: skip
     else:  # next step's codes loaded before this step's math, as in moe_gate_up_kernel
         w, s = _load_weights(w_e, ws_e, offs_n, mask_n, k_lo, k_end, stride_wn, stride_wsn,
                              WFMT, BLOCK_K)  # fmt: skip
@@ -345,11 +454,17 @@ def moe_down_kernel(
             acc = _apply_weights(acc, a_rows, mask_m, w, s, k0, k_end, WFMT, BLOCK_K, F32_DOT,
                                  MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
             w, s = nw, ns
-    if not DENSE:
-        route_w = tl.load(topk_weights_ptr + pairs, mask=mask_m, other=0.0)
-        acc = acc * route_w[:, None]
     # The combine: a tile holds one expert, so its rows are distinct tokens; tiles of other
     # experts add to the same rows, hence atomics (float32: the order changes only the
     # last bits, rounded away by the cast to bf16 in all but rare ties).
-    y_out = y_ptr + (pairs // TOPK).to(tl.int64)[:, None] * stride_yt + offs_n[None, :]
-    tl.atomic_add(y_out, acc, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed")
+    tokens = (pairs // TOPK).to(tl.int64)
+    if SWAP_AB:
+        if not DENSE:
+            acc = acc * tl.load(topk_weights_ptr + pairs, mask=mask_m, other=0.0)[None, :]
+        y_out = y_ptr + tokens[None, :] * stride_yt + offs_n[:, None]
+        tl.atomic_add(y_out, acc, mask=mask_m[None, :] & mask_n[:, None], sem="relaxed")
+    else:
+        if not DENSE:
+            acc = acc * tl.load(topk_weights_ptr + pairs, mask=mask_m, other=0.0)[:, None]
+        y_out = y_ptr + tokens[:, None] * stride_yt + offs_n[None, :]
+        tl.atomic_add(y_out, acc, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed")

@@ -63,9 +63,14 @@ class SharedExpert:
     w2_scale: torch.Tensor | None = None
 
 
-def dense_config(num_tokens: int, n: int, fmt: str) -> dict:
-    """Shared-expert launches at decode sizes (the caller keeps larger T on cuBLAS): narrow
-    N tiles so a single expert's rows still spread over ~1 wave of programs."""
+def dense_config(num_tokens: int, d: int, i: int, fmt: str, device=None) -> dict:
+    """Shared-expert launches at decode sizes (the caller keeps larger T on cuBLAS): the
+    tuned entry for one expert taken by every token (`bench kernels` times it as a routed
+    MoE of E=1, A=1: the same tiles), else narrow N tiles so a single expert's rows still
+    spread over ~1 wave of programs."""
+    tuned = configs.lookup(OP, shape_key(num_tokens, 1, 1, d, i, fmt), device)
+    if tuned is not None:
+        return tuned
     block_m, block_n = (16, 16) if num_tokens <= 16 else (32, 32)
     block_k = {"bf16": 64, "fp8": 128, "mxfp4": 128}[fmt]
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=4, num_stages=4)
@@ -194,17 +199,14 @@ def fused_moe(
     h = torch.empty((p, i), dtype=x.dtype, device=x.device)
     s13, *s13_strides = _scale_args(w13, w13_scale, expert_dim=True)
     s2, *s2_strides = _scale_args(w2, w2_scale, expert_dim=True)
-    launch = dict(num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))
-    meta = dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                F32_DOT=interpreting(), MXFP4_ASM=cfg.get("MXFP4_ASM", True),
-                MXFP4_DOT_SCALED=cfg.get("MXFP4_DOT_SCALED", False))  # fmt: skip
+    meta = _launch_meta(cfg)
     pairs, groups = align.sorted_pairs, align.block_expert
 
     moe_gate_up_kernel[(max_blocks, triton.cdiv(i, cfg["BLOCK_N"]))](
         x, w13, s13, h, pairs, groups,
         p, d, i,
         x.stride(0), w13.stride(0), w13.stride(1), *s13_strides, h.stride(0),
-        TOPK=top_k, WFMT=_wfmt(fmt, w13_scale), DENSE=False, **meta, **launch,
+        TOPK=top_k, WFMT=_wfmt(fmt, w13_scale), DENSE=False, **meta,
     )  # fmt: skip
     if shared is not None:
         h_shared = _shared_gate_up(x, shared, d)
@@ -215,11 +217,20 @@ def fused_moe(
         h, w2, s2, route_w, y, pairs, groups,
         p, d, i,
         h.stride(0), w2.stride(0), w2.stride(1), *s2_strides, y.stride(0),
-        TOPK=top_k, WFMT=_wfmt(fmt, w2_scale), DENSE=False, SPLIT_K=split, **meta, **launch,
+        TOPK=top_k, WFMT=_wfmt(fmt, w2_scale), DENSE=False, SPLIT_K=split, **meta,
     )  # fmt: skip
     if shared is not None:
         _shared_down(h_shared, shared, y)
     return y if out_dtype == torch.float32 else y.to(out_dtype or x.dtype)
+
+
+def _launch_meta(cfg: dict) -> dict:
+    """A config's meta-parameters and launch options, as every launch here passes them."""
+    return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                F32_DOT=interpreting(), MXFP4_ASM=cfg.get("MXFP4_ASM", True),
+                MXFP4_DOT_SCALED=cfg.get("MXFP4_DOT_SCALED", False),
+                SWAP_AB=cfg.get("SWAP_AB", False),
+                num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))  # fmt: skip
 
 
 def _check_shared(shared: SharedExpert, d: int) -> int:
@@ -240,7 +251,7 @@ def _expert(scale: torch.Tensor | None) -> torch.Tensor | None:
 def _shared_gate_up(x: torch.Tensor, shared: SharedExpert, d: int) -> torch.Tensor:
     t = x.shape[0]
     i = _check_shared(shared, d)
-    cfg = dense_config(t, i, shared.fmt)
+    cfg = dense_config(t, d, i, shared.fmt, x.device)
     h = torch.empty((t, i), dtype=x.dtype, device=x.device)
     s13, *s13_strides = _scale_args(shared.w13, shared.w13_scale, expert_dim=False)
     moe_gate_up_kernel[(triton.cdiv(t, cfg["BLOCK_M"]), triton.cdiv(i, cfg["BLOCK_N"]))](
@@ -248,8 +259,7 @@ def _shared_gate_up(x: torch.Tensor, shared: SharedExpert, d: int) -> torch.Tens
         t, d, i,
         x.stride(0), 0, shared.w13.stride(0), *s13_strides, h.stride(0),
         TOPK=1, WFMT=_wfmt(shared.fmt, shared.w13_scale), DENSE=True,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        F32_DOT=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        **_launch_meta(cfg),
     )  # fmt: skip
     return h
 
@@ -257,13 +267,13 @@ def _shared_gate_up(x: torch.Tensor, shared: SharedExpert, d: int) -> torch.Tens
 def _shared_down(h: torch.Tensor, shared: SharedExpert, y: torch.Tensor) -> None:
     t, d = y.shape
     i = h.shape[1]
-    cfg = dense_config(t, d, shared.fmt)
+    cfg = dense_config(t, d, i, shared.fmt, y.device)
+    split = cfg.get("SPLIT_K", 1)
     s2, *s2_strides = _scale_args(shared.w2, shared.w2_scale, expert_dim=False)
-    moe_down_kernel[(triton.cdiv(t, cfg["BLOCK_M"]), triton.cdiv(d, cfg["BLOCK_N"]))](
+    moe_down_kernel[(triton.cdiv(t, cfg["BLOCK_M"]), triton.cdiv(d, cfg["BLOCK_N"]), split)](
         h, shared.w2, s2, y, y, h, h,
         t, d, i,
         h.stride(0), 0, shared.w2.stride(0), *s2_strides, y.stride(0),
-        TOPK=1, WFMT=_wfmt(shared.fmt, shared.w2_scale), DENSE=True,
-        BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        F32_DOT=interpreting(), num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
+        TOPK=1, WFMT=_wfmt(shared.fmt, shared.w2_scale), DENSE=True, SPLIT_K=split,
+        **_launch_meta(cfg),
     )  # fmt: skip

@@ -6,7 +6,7 @@ import triton.language as tl
 from kernels.reference.fused_moe import fused_moe_reference
 from kernels.reference.quant_formats import dequant_mxfp4, random_fp8_block, random_mxfp4
 from kernels.triton._common import interpreting
-from kernels.triton._fused_moe_kernels import _mxfp4_weights
+from kernels.triton._fused_moe_kernels import _mxfp4_factors, _mxfp4_weight_rows, _mxfp4_weights
 from kernels.triton.fused_moe import SharedExpert, fused_moe
 from kernels.triton.moe_align import moe_align, moe_align_torch
 from tests.kernels._helpers import DEVICE, gpu_only, rel_err
@@ -147,6 +147,50 @@ def test_fused_moe_mxfp4_wide_k_steps(block_k):
     cfg = dict(BLOCK_M=16, BLOCK_N=16, BLOCK_K=block_k, num_warps=4, num_stages=2)
     out = fused_moe(*args, **kw, config=cfg)
     assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("t,a,split", [(1, 2, 1), (7, 3, 2), (40, 2, 1)])
+def test_fused_moe_swap_ab(fmt, t, a, split):
+    # Weights as the MMA's row side: N = 160 and I = 96 leave partial N tiles, K = 160 a
+    # partial last K step (masked groups for MXFP4), 40 tokens more rows than one tile.
+    args, kw = make_moe(t, d=160, i=96, e=5, a=a, fmt=fmt, seed=t + split)
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64 if fmt != "fp8" else 128, SPLIT_K=split,
+               SWAP_AB=True, num_warps=4, num_stages=2)  # fmt: skip
+    out = fused_moe(*args, **kw, config=cfg)
+    assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
+
+
+@pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
+def test_fused_moe_swap_ab_shared_expert(fmt):
+    args, kw = make_moe(3, d=128, i=64, e=4, a=2, fmt=fmt, seed=5)
+    shared = random_shared(128, 128, fmt, seed=6)
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, num_warps=4, num_stages=2)
+    out = fused_moe(*args, **kw, shared=shared, config=cfg)
+    ref = fused_moe(*args, **kw, shared=shared, config=dict(cfg, SWAP_AB=False))
+    assert rel_err(out, ref) < 1e-2
+
+
+@triton.jit
+def _decode_rows_kernel(b_ptr, s_ptr, w_ptr, F32_DOT: tl.constexpr, ASM: tl.constexpr):
+    """codes [16, 32] (16 rows x 32 bytes = 2 groups), scales [16, 2] -> w [16, 64]."""
+    r = tl.arange(0, 16)[:, None]
+    b = tl.load(b_ptr + r * 32 + tl.arange(0, 32)[None, :])
+    s = tl.load(s_ptr + r * 2 + tl.arange(0, 2)[None, :])
+    w = _mxfp4_weight_rows(b, _mxfp4_factors(s), F32_DOT, ASM)
+    tl.store(w_ptr + r * 64 + tl.arange(0, 64)[None, :], w.to(tl.float32))
+
+
+@pytest.mark.parametrize("asm", [False, pytest.param(True, marks=[pytest.mark.gpu, gpu_only])])
+def test_mxfp4_row_decode_is_exact_for_every_code_and_scale(asm):
+    # SWAP_AB's decode: rows of bytes along K, natural K order out (low nibble first)
+    codes = torch.arange(512).remainder(256).to(torch.uint8).view(16, 32)  # [n, k/2]
+    scales = torch.tensor([0, 1, 60, 100, 118, 121, 127, 128] * 4, dtype=torch.uint8)
+    scales = scales.view(16, 2)  # [n, group]
+    w = torch.empty(16, 64, device=DEVICE)
+    _decode_rows_kernel[(1,)](codes.to(DEVICE), scales.to(DEVICE), w, F32_DOT=interpreting(),
+                              ASM=asm)  # fmt: skip
+    assert torch.equal(w.cpu(), dequant_mxfp4(codes, scales))
 
 
 @triton.jit
