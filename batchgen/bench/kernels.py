@@ -349,20 +349,19 @@ def _swap_candidates(base: dict, fmt: str) -> list[dict]:
            for bn, bk, st in itertools.product((64, 128), ks, (3, 4))]  # fmt: skip
     best_guess = dict(base, SWAP_AB=True, BLOCK_N=64, BLOCK_K=ks[0], num_stages=3)
     out += [dict(best_guess, SPLIT_K=split) for split in (2, 4)]
+    # gate+up split along D too (few tokens: more programs streaming weights)
+    out += [dict(best_guess, GU_SPLIT_K=gu, SPLIT_K=split)
+            for gu, split in itertools.product((2, 4), (2, 4))]  # fmt: skip
     out.append(dict(best_guess, BLOCK_N=128, num_warps=8))
     return out
 
 
 def _mxfp4_candidates(base: dict) -> list[dict]:
-    """MXFP4: the A @ W^T tiles that won before (decoded tiles through shared memory), Triton's
-    tl.dot_scaled, and the SWAP_AB tiles (decoded tiles straight into wgmma)."""
-    out = [base]
-    for bk, bn in ((128, 64), (64, 128), (128, 32)):
-        cand = dict(base, BLOCK_K=bk, BLOCK_N=bn, num_stages=3)
-        if cand != base:
-            out.append(cand)
-    out += [dict(base, MXFP4_DOT_SCALED=True), dict(base, BLOCK_N=128, MXFP4_DOT_SCALED=True)]
-    return out + _split_candidates(base) + _swap_candidates(base, "mxfp4")
+    """MXFP4: the heuristic's A @ W^T tile (decoded tiles through shared memory), Triton's
+    tl.dot_scaled, and the SWAP_AB tiles (decoded tiles straight into wgmma), which won
+    every Moonlight shape on the H200 (2026-11-29, third session)."""
+    out = [base, dict(base, BLOCK_N=128, MXFP4_DOT_SCALED=True)]
+    return out + _swap_candidates(base, "mxfp4")
 
 
 def _linear_candidates(m: int, base: dict) -> list[dict]:

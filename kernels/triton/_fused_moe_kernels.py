@@ -173,7 +173,7 @@ def _load_weights(
     bytes and [BLOCK_N, BLOCK_K/32] scales). Steps past K load nothing (all masked)."""
     if SWAP_AB and WFMT == 3:
         GROUPS: tl.constexpr = BLOCK_K // 32
-        offs_j = k0 // 2 + tl.arange(0, BLOCK_K // 2)
+        offs_j = tl.multiple_of(k0 // 2, BLOCK_K // 2) + tl.arange(0, BLOCK_K // 2)
         offs_g = k0 // 32 + tl.arange(0, GROUPS)
         codes = tl.load(w_ptr + rows[:, None] * stride_wn + offs_j[None, :],
                         mask=mask_n[:, None] & (offs_j < K // 2)[None, :], other=0)  # fmt: skip
@@ -312,6 +312,8 @@ def moe_gate_up_kernel(
     h_ptr,  # [P, I] out: silu(gate) * up per pair
     sorted_pairs_ptr,  # [max_blocks * BLOCK_M] int32 (unused when DENSE)
     block_expert_ptr,  # [max_blocks] int32 (unused when DENSE)
+    part_ptr,  # GU_SPLIT_K > 1: float32 [GU_SPLIT_K, tiles_m * BLOCK_M, 2I] partial sums
+    counters_ptr,  # GU_SPLIT_K > 1: int32 [tiles_m * tiles_n], zero between launches
     # sizes
     num_pairs,
     D,
@@ -334,6 +336,8 @@ def moe_gate_up_kernel(
     MXFP4_ASM: tl.constexpr = True,  # PTX nibble decode (ignored under the interpreter)
     MXFP4_DOT_SCALED: tl.constexpr = False,  # tl.dot_scaled instead of the hand decode
     SWAP_AB: tl.constexpr = False,  # acc [BLOCK_N, BLOCK_M] = W @ x^T (module docstring)
+    GU_SPLIT_K: tl.constexpr = 1,  # SWAP_AB only: grid axis 2 splits D; the last split to
+    # arrive (arrival counter) sums the partials and applies SiLU * up
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -342,25 +346,65 @@ def moe_gate_up_kernel(
         return
     mask_m = pairs < num_pairs
     a_rows = x_ptr + (pairs // TOPK).to(tl.int64) * stride_xt
-    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    mask_n = offs_n < I
     w_e = w_ptr + expert.to(tl.int64) * stride_we
     ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
-    ACC: tl.constexpr = (BLOCK_N, BLOCK_M) if SWAP_AB else (BLOCK_M, BLOCK_N)
-    acc_gate = tl.zeros(ACC, dtype=tl.float32)
-    acc_up = tl.zeros(ACC, dtype=tl.float32)
-    if WFMT == 0 or SWAP_AB:
-        # Loads inside the step: Triton pipelines them itself (bf16 operands go straight
-        # into tl.dot; swapped codes are staged through shared memory as codes, not decoded).
+    if SWAP_AB:
+        # One BLOCK_N-row tile holds BLOCK_N/2 gate rows then the same units' up rows, so a
+        # program is one wgmma chain (>= 64 rows) for BLOCK_N/2 units: twice the programs
+        # of separate gate and up tiles, which a few tokens need to fill the SMs.
+        HALF: tl.constexpr = BLOCK_N // 2
+        r = tl.arange(0, BLOCK_N)
+        units = pid_n * HALF + r % HALF
+        rows = units + (r >= HALF).to(tl.int32) * I
+        mask_r = units < I
+        steps_per_split = tl.cdiv(tl.cdiv(D, BLOCK_K), GU_SPLIT_K)
+        k_lo = tl.program_id(2) * steps_per_split * BLOCK_K
+        k_end = tl.minimum(D, k_lo + steps_per_split * BLOCK_K)
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for k0 in range(k_lo, k_end, BLOCK_K):  # loads inside the step: Triton stages codes
+            w, s = _load_weights(w_e, ws_e, rows, mask_r, k0, k_end, stride_wn, stride_wsn,
+                                 WFMT, BLOCK_K, SWAP_AB)  # fmt: skip
+            acc = _apply_weights(acc, a_rows, mask_m, w, s, k0, k_end, WFMT, BLOCK_K, F32_DOT,
+                                 MXFP4_ASM, MXFP4_DOT_SCALED, SWAP_AB)  # fmt: skip
+        if GU_SPLIT_K > 1:
+            # Few tokens: splitting D multiplies the programs streaming weights. Each split
+            # stores its partial; the last to arrive adds the others' (read at L2: .cg) to
+            # its own and goes on to the epilogue; the rest are done.
+            slots = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
+            part = part_ptr + slots.to(tl.int64)[None, :] * (2 * I) + rows[:, None]
+            split_stride = tl.num_programs(0).to(tl.int64) * BLOCK_M * (2 * I)
+            pmask = mask_r[:, None] & mask_m[None, :]
+            tl.store(part + tl.program_id(2) * split_stride, acc, mask=pmask)
+            tl.debug_barrier()  # every thread's stores before the counter's release
+            counter = counters_ptr + pid_m * tl.num_programs(1) + pid_n
+            arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+            if arrived != GU_SPLIT_K - 1:
+                return
+            for other in tl.static_range(GU_SPLIT_K):
+                if other != tl.program_id(2):
+                    acc += tl.load(part + other * split_stride, mask=pmask, other=0.0,
+                                   cache_modifier=".cg")  # fmt: skip
+            tl.atomic_xchg(counter, 0)  # zero again for the next launch
+        gate, up = tl.split(tl.permute(tl.reshape(acc, (2, HALF, BLOCK_M)), (1, 2, 0)))
+        h = gate / (1.0 + tl.exp(-gate)) * up  # [HALF, BLOCK_M]
+        offs_u = pid_n * HALF + tl.arange(0, HALF)
+        h_out = h_ptr + pairs.to(tl.int64)[None, :] * stride_hp + offs_u[:, None]
+        tl.store(h_out, h.to(h_ptr.dtype.element_ty), mask=mask_m[None, :] & (offs_u < I)[:, None])
+        return
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    mask_n = offs_n < I
+    acc_gate = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    acc_up = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if WFMT == 0:  # bf16 operands go straight into tl.dot, which Triton pipelines itself
         for k0 in range(0, D, BLOCK_K):
-            wg, sg = _load_weights(w_e, ws_e, offs_n, mask_n, k0, D, stride_wn, stride_wsn,
-                                   WFMT, BLOCK_K, SWAP_AB)  # fmt: skip
-            wu, su = _load_weights(w_e, ws_e, offs_n + I, mask_n, k0, D, stride_wn, stride_wsn,
-                                   WFMT, BLOCK_K, SWAP_AB)  # fmt: skip
-            acc_gate = _apply_weights(acc_gate, a_rows, mask_m, wg, sg, k0, D, WFMT, BLOCK_K,
-                                      F32_DOT, MXFP4_ASM, MXFP4_DOT_SCALED, SWAP_AB)  # fmt: skip
-            acc_up = _apply_weights(acc_up, a_rows, mask_m, wu, su, k0, D, WFMT, BLOCK_K,
-                                    F32_DOT, MXFP4_ASM, MXFP4_DOT_SCALED, SWAP_AB)  # fmt: skip
+            wg, _ = _load_weights(w_e, ws_e, offs_n, mask_n, k0, D, stride_wn, stride_wsn,
+                                  WFMT, BLOCK_K)  # fmt: skip
+            wu, _ = _load_weights(w_e, ws_e, offs_n + I, mask_n, k0, D, stride_wn, stride_wsn,
+                                  WFMT, BLOCK_K)  # fmt: skip
+            acc_gate = _apply_weights(acc_gate, a_rows, mask_m, wg, wg, k0, D, WFMT, BLOCK_K,
+                                      F32_DOT, MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
+            acc_up = _apply_weights(acc_up, a_rows, mask_m, wu, wu, k0, D, WFMT, BLOCK_K,
+                                    F32_DOT, MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
     else:
         # Codes pass through a decode before the dot, and Triton does not pipeline such
         # loads: the next step's codes are loaded before this step's math (a register
@@ -380,12 +424,8 @@ def moe_gate_up_kernel(
                                     F32_DOT, MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
             wg, sg, wu, su = nwg, nsg, nwu, nsu
     h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
-    if SWAP_AB:
-        h_out = h_ptr + pairs.to(tl.int64)[None, :] * stride_hp + offs_n[:, None]
-        tl.store(h_out, h.to(h_ptr.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
-    else:
-        h_out = h_ptr + pairs.to(tl.int64)[:, None] * stride_hp + offs_n[None, :]
-        tl.store(h_out, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+    h_out = h_ptr + pairs.to(tl.int64)[:, None] * stride_hp + offs_n[None, :]
+    tl.store(h_out, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit

@@ -40,6 +40,7 @@ import torch
 import triton
 
 from kernels.triton import configs
+from kernels.triton._arrival_counters import arrival_counters
 from kernels.triton._common import check_device, interpreting
 from kernels.triton._fused_moe_kernels import moe_down_kernel, moe_gate_up_kernel
 from kernels.triton.moe_align import moe_align
@@ -202,8 +203,8 @@ def fused_moe(
     meta = _launch_meta(cfg)
     pairs, groups = align.sorted_pairs, align.block_expert
 
-    moe_gate_up_kernel[(max_blocks, triton.cdiv(i, cfg["BLOCK_N"]))](
-        x, w13, s13, h, pairs, groups,
+    moe_gate_up_kernel[(max_blocks, _gate_up_tiles(i, cfg), cfg.get("GU_SPLIT_K", 1))](
+        x, w13, s13, h, pairs, groups, *_gate_up_split_buffers(max_blocks, i, cfg, h),
         p, d, i,
         x.stride(0), w13.stride(0), w13.stride(1), *s13_strides, h.stride(0),
         TOPK=top_k, WFMT=_wfmt(fmt, w13_scale), DENSE=False, **meta,
@@ -224,12 +225,30 @@ def fused_moe(
     return y if out_dtype == torch.float32 else y.to(out_dtype or x.dtype)
 
 
+def _gate_up_tiles(i: int, cfg: dict) -> int:
+    """N tiles of the gate+up launch: SWAP_AB tiles hold BLOCK_N/2 units' gate and up rows."""
+    return triton.cdiv(i, cfg["BLOCK_N"] // 2 if cfg.get("SWAP_AB") else cfg["BLOCK_N"])
+
+
+def _gate_up_split_buffers(tiles_m: int, i: int, cfg: dict, stand_in: torch.Tensor) -> tuple:
+    """(partials, arrival counters) for a gate+up launch split along D (GU_SPLIT_K > 1, a
+    SWAP_AB config's option), else the stand-in twice (never read)."""
+    split = cfg.get("GU_SPLIT_K", 1)
+    if split == 1:
+        return stand_in, stand_in
+    assert cfg.get("SWAP_AB"), "GU_SPLIT_K needs SWAP_AB"
+    device = stand_in.device
+    part = torch.empty((split, tiles_m * cfg["BLOCK_M"], 2 * i), dtype=torch.float32,
+                       device=device)  # fmt: skip
+    return part, arrival_counters(device, tiles_m * _gate_up_tiles(i, cfg))
+
+
 def _launch_meta(cfg: dict) -> dict:
     """A config's meta-parameters and launch options, as every launch here passes them."""
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                 F32_DOT=interpreting(), MXFP4_ASM=cfg.get("MXFP4_ASM", True),
                 MXFP4_DOT_SCALED=cfg.get("MXFP4_DOT_SCALED", False),
-                SWAP_AB=cfg.get("SWAP_AB", False),
+                SWAP_AB=cfg.get("SWAP_AB", False), GU_SPLIT_K=cfg.get("GU_SPLIT_K", 1),
                 num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))  # fmt: skip
 
 
@@ -254,8 +273,9 @@ def _shared_gate_up(x: torch.Tensor, shared: SharedExpert, d: int) -> torch.Tens
     cfg = dense_config(t, d, i, shared.fmt, x.device)
     h = torch.empty((t, i), dtype=x.dtype, device=x.device)
     s13, *s13_strides = _scale_args(shared.w13, shared.w13_scale, expert_dim=False)
-    moe_gate_up_kernel[(triton.cdiv(t, cfg["BLOCK_M"]), triton.cdiv(i, cfg["BLOCK_N"]))](
-        x, shared.w13, s13, h, h, h,
+    tiles_m = triton.cdiv(t, cfg["BLOCK_M"])
+    moe_gate_up_kernel[(tiles_m, _gate_up_tiles(i, cfg), cfg.get("GU_SPLIT_K", 1))](
+        x, shared.w13, s13, h, h, h, *_gate_up_split_buffers(tiles_m, i, cfg, h),
         t, d, i,
         x.stride(0), 0, shared.w13.stride(0), *s13_strides, h.stride(0),
         TOPK=1, WFMT=_wfmt(shared.fmt, shared.w13_scale), DENSE=True,

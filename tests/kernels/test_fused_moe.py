@@ -3,6 +3,7 @@ import torch
 import triton
 import triton.language as tl
 
+import kernels.triton.fused_moe as fused_moe_module
 from kernels.reference.fused_moe import fused_moe_reference
 from kernels.reference.quant_formats import dequant_mxfp4, random_fp8_block, random_mxfp4
 from kernels.triton._common import interpreting
@@ -155,20 +156,43 @@ def test_fused_moe_swap_ab(fmt, t, a, split):
     # Weights as the MMA's row side: N = 160 and I = 96 leave partial N tiles, K = 160 a
     # partial last K step (masked groups for MXFP4), 40 tokens more rows than one tile.
     args, kw = make_moe(t, d=160, i=96, e=5, a=a, fmt=fmt, seed=t + split)
-    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64 if fmt != "fp8" else 128, SPLIT_K=split,
-               SWAP_AB=True, num_warps=4, num_stages=2)  # fmt: skip
+    # BLOCK_N 128 at t=7: gate+up tiles of 64 units, the second one partly past I
+    cfg = dict(BLOCK_M=16, BLOCK_N=128 if t == 7 else 64, BLOCK_K=64 if fmt != "fp8" else 128,
+               SPLIT_K=split, SWAP_AB=True, num_warps=4, num_stages=2)  # fmt: skip
     out = fused_moe(*args, **kw, config=cfg)
     assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("gu_split", [2, 4])
+def test_fused_moe_gate_up_split_k(fmt, gu_split):
+    # D = 192 is 3 steps of 64: splits of 2+1 steps, or 1+1+1 and one with no step at all;
+    # a second call reuses the arrival counters the first one must have left at zero.
+    args, kw = make_moe(5, d=192, i=96, e=4, a=2, fmt=fmt, seed=gu_split)
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SWAP_AB=True, GU_SPLIT_K=gu_split,
+               num_warps=4, num_stages=2)  # fmt: skip
+    ref = fused_moe_reference(*args, **kw)
+    for _ in range(2):
+        assert rel_err(fused_moe(*args, **kw, config=cfg), ref) < 2e-2
+
+
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-def test_fused_moe_swap_ab_shared_expert(fmt):
+def test_fused_moe_swap_ab_shared_expert(fmt, monkeypatch):
+    # the shared expert's DENSE launches with a SWAP_AB, split gate+up config (what a tuned
+    # table entry may hold), against the routed-only result plus the shared reference
     args, kw = make_moe(3, d=128, i=64, e=4, a=2, fmt=fmt, seed=5)
     shared = random_shared(128, 128, fmt, seed=6)
-    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, num_warps=4, num_stages=2)
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SWAP_AB=True, GU_SPLIT_K=2, SPLIT_K=2,
+               num_warps=4, num_stages=2)  # fmt: skip
+    monkeypatch.setattr(fused_moe_module, "dense_config", lambda *a, **k: dict(cfg))
     out = fused_moe(*args, **kw, shared=shared, config=cfg)
-    ref = fused_moe(*args, **kw, shared=shared, config=dict(cfg, SWAP_AB=False))
-    assert rel_err(out, ref) < 1e-2
+    t = args[0].shape[0]
+    one = torch.ones(t, 1, device=DEVICE)
+    zero_ids = torch.zeros(t, 1, dtype=torch.int32, device=DEVICE)
+    ref_shared = fused_moe_reference(args[0], shared.w13[None], shared.w2[None], one, zero_ids,
+                                     fmt, shared.w13_scale[None], shared.w2_scale[None])  # fmt: skip
+    ref = fused_moe_reference(*args, **kw).float() + ref_shared.float()
+    assert rel_err(out, ref) < 2e-2
 
 
 @triton.jit
@@ -255,4 +279,18 @@ def test_fused_moe_rejects_wrong_scale_shape():
 def test_fused_moe_gpu_sizes(fmt, t):
     args, kw = make_moe(t, d=2048, i=1408 if fmt != "mxfp4" else 1024, e=64, a=6, fmt=fmt, seed=t)
     out = fused_moe(*args, **kw)
+    assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("t", [1, 8, 300])
+def test_fused_moe_swap_ab_gpu_sizes(fmt, t):
+    # SWAP_AB at real sizes, with both D splits at few tokens (the tuned decode configs)
+    args, kw = make_moe(t, d=2048, i=1408, e=64, a=6, fmt=fmt, seed=t)
+    cfg = dict(BLOCK_M=16 if t <= 8 else 32, BLOCK_N=64, BLOCK_K=128 if fmt == "mxfp4" else 64,
+               SWAP_AB=True, GU_SPLIT_K=4 if t <= 8 else 1, SPLIT_K=2 if t <= 8 else 1,
+               num_warps=4, num_stages=3)  # fmt: skip
+    out = fused_moe(*args, **kw, config=cfg)
     assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
