@@ -207,7 +207,8 @@ def fused_moe(
         x, w13, s13, h, pairs, groups, *_gate_up_split_buffers(max_blocks, i, cfg, h),
         p, d, i,
         x.stride(0), w13.stride(0), w13.stride(1), *s13_strides, h.stride(0),
-        TOPK=top_k, WFMT=_wfmt(fmt, w13_scale), DENSE=False, **meta,
+        TOPK=top_k, WFMT=_wfmt(fmt, w13_scale), DENSE=False, GU_SPLIT_K=cfg.get("GU_SPLIT_K", 1),
+        **meta,
     )  # fmt: skip
     if shared is not None:
         h_shared = _shared_gate_up(x, shared, d)
@@ -248,7 +249,7 @@ def _launch_meta(cfg: dict) -> dict:
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                 F32_DOT=interpreting(), MXFP4_ASM=cfg.get("MXFP4_ASM", True),
                 MXFP4_DOT_SCALED=cfg.get("MXFP4_DOT_SCALED", False),
-                SWAP_AB=cfg.get("SWAP_AB", False), GU_SPLIT_K=cfg.get("GU_SPLIT_K", 1),
+                SWAP_AB=cfg.get("SWAP_AB", False),
                 num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))  # fmt: skip
 
 
@@ -279,6 +280,7 @@ def _shared_gate_up(x: torch.Tensor, shared: SharedExpert, d: int) -> torch.Tens
         t, d, i,
         x.stride(0), 0, shared.w13.stride(0), *s13_strides, h.stride(0),
         TOPK=1, WFMT=_wfmt(shared.fmt, shared.w13_scale), DENSE=True,
+        GU_SPLIT_K=cfg.get("GU_SPLIT_K", 1),
         **_launch_meta(cfg),
     )  # fmt: skip
     return h

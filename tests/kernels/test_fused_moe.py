@@ -163,6 +163,16 @@ def test_fused_moe_swap_ab(fmt, t, a, split):
     assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
 
 
+def test_launch_meta_names_only_kernel_parameters():
+    # The interpreter ignores unknown keyword arguments; a GPU launch raises on them.
+    from kernels.triton._fused_moe_kernels import moe_down_kernel, moe_gate_up_kernel
+
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SWAP_AB=True, GU_SPLIT_K=2, SPLIT_K=2)
+    options = {"num_warps", "num_stages"}
+    for kernel in (moe_gate_up_kernel, moe_down_kernel):
+        assert set(fused_moe_module._launch_meta(cfg)) - options <= set(kernel.arg_names)
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
 @pytest.mark.parametrize("gu_split", [2, 4])
 def test_fused_moe_gate_up_split_k(fmt, gu_split):
