@@ -200,6 +200,7 @@ def bench_linear(
     tune: bool,
     tokens: tuple[int, ...] = LINEAR_TOKENS,
     natives: tuple[bool, ...] = (False, True),
+    tune_max_tokens: int = TUNE_MAX_TOKENS,
 ) -> tuple[list[dict], dict]:
     from kernels.reference.quant_formats import dequant_fp8_block, random_fp8_block
     from kernels.triton.fp8_linear import choose_config, default_config, shape_key
@@ -215,7 +216,7 @@ def bench_linear(
         for native in natives:
             # Untuned: what the engine gets today (the committed table, else the heuristic).
             cfg = choose_config(m, n, k, device, native)
-            if tune and m <= TUNE_MAX_TOKENS:
+            if tune and m <= tune_max_tokens:
                 base = default_config(m, n, k, device, native)
                 time_cfg = functools.partial(_time_linear_chain, x, weights, native, warm=False)
                 cfg = _tune_linear(time_cfg, base, m, n, k, native)
@@ -302,8 +303,12 @@ def _tune_linear(time_cfg, base: dict, m: int, n: int, k: int, native: bool) -> 
                 timed[key] = float("inf")
         return timed[key]
 
+    from kernels.triton.fp8_linear import GEMV_MAX_M
+
     cands = [base] + _linear_candidates(m, base)
-    if not native and m <= TUNE_MAX_TOKENS:
+    if native:  # SWAP_AB is a bf16-decode option
+        cands = [c for c in cands if not c.get("SWAP_AB")]
+    if not native and m <= GEMV_MAX_M:
         tiles = [dict(_gemv_base(m, n, k), BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
                  for bn, bk, w in ((16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 256, 4),
                                    (64, 128, 4), (32, 512, 8))]  # fmt: skip
@@ -376,6 +381,16 @@ def _linear_candidates(m: int, base: dict) -> list[dict]:
     else:
         for bm, bn, warps in itertools.product((64, 128), (128, 256), (4, 8)):
             out.append(dict(dot, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, SPLIT_K=1))
+    # SWAP_AB: decoded weights as wgmma's register operand (64 rows per warpgroup), the
+    # tokens as its N side
+    swap = dict(dot, SWAP_AB=True, BLOCK_K=128, num_warps=4, num_stages=3)
+    if m <= 32:
+        bm = 16 if m <= 16 else 32
+        out += [dict(swap, BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split)
+                for bn, split in itertools.product((64, 128), (1, 2, 4))]  # fmt: skip
+    else:
+        out += [dict(swap, BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, num_stages=stages)
+                for bm, bn, stages in itertools.product((64, 128), (64, 128), (3, 4))]  # fmt: skip
     return out
 
 
@@ -420,6 +435,7 @@ def run(
     tokens: tuple[int, ...] = (),
     linear: bool = True,
     tune_max_tokens: int = TUNE_MAX_TOKENS,
+    linear_tokens: tuple[int, ...] = ENGINE_LINEAR_TOKENS,
 ) -> dict:
     """Run every case (or those whose name contains `only`; MoE token counts `tokens` instead
     of each case's own; no FP8 linear rows with linear=False); returns the JSON payload.
@@ -439,13 +455,14 @@ def run(
     for n, k in LINEAR_SHAPES if linear else ():
         if not _selected(only, f"linear {n}x{k}"):
             continue
-        r, t = bench_linear(n, k, copy_bps, device, tune)
+        r, t = bench_linear(n, k, copy_bps, device, tune, tune_max_tokens=tune_max_tokens)
         rows += r
         tables["fp8_linear"].update(t)
     for n, k in ENGINE_LINEAR_SHAPES if linear else ():
-        if not _selected(only, f"linear {n}x{k} moonlight"):
+        if not _selected(only, f"moonlight-linear {n}x{k}"):
             continue
-        r, t = bench_linear(n, k, copy_bps, device, tune, ENGINE_LINEAR_TOKENS, (False,))
+        r, t = bench_linear(n, k, copy_bps, device, tune, linear_tokens, (False,),
+                            tune_max_tokens)  # fmt: skip
         rows += r
         tables["fp8_linear"].update(t)
     print_table(copy_bps, rows)
@@ -474,6 +491,8 @@ def run(
 @click.option("--name", default="kernels-h200", show_default=True, help="JSON file name.")
 @click.option("--tune-max-tokens", type=int, default=TUNE_MAX_TOKENS, show_default=True,
               help="MoE token counts up to which --tune sweeps configs.")  # fmt: skip
+@click.option("--linear-tokens", default="",
+              help="Token counts of the engine's FP8 linear rows (default: 1,2,4,8,64).")  # fmt: skip
 @click.option("--linear-paths", is_flag=True,
               help="Only time the FP8 linear's GEMV, dot and native paths at decode sizes.")  # fmt: skip
 def command(
@@ -484,6 +503,7 @@ def command(
     no_linear: bool,
     name: str,
     tune_max_tokens: int,
+    linear_tokens: str,
     linear_paths: bool,
 ) -> None:
     """Fused MoE and FP8 linear: GB/s and % of copy bandwidth, vs plain torch."""
@@ -496,8 +516,10 @@ def command(
         click.echo(f"wrote {write_result(name, payload)}")
         return
     counts = tuple(int(v) for v in tokens.split(",") if v.strip())
+    linear_counts = tuple(int(v) for v in linear_tokens.split(",") if v.strip())
     payload = run(tune=tune, tuned_dir=tuned_dir, only=only, tokens=counts,
-                  linear=not no_linear, tune_max_tokens=tune_max_tokens)  # fmt: skip
+                  linear=not no_linear, tune_max_tokens=tune_max_tokens,
+                  linear_tokens=linear_counts or ENGINE_LINEAR_TOKENS)  # fmt: skip
     path = write_result(name, payload)
     click.echo(f"wrote {path}")
 

@@ -42,7 +42,12 @@ def fp8_block_linear_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr,
+    SWAP_AB: tl.constexpr = False,
 ):
+    """y = x @ dequant(W)^T over one [BLOCK_M, BLOCK_N] tile and 1/SPLIT_K of K.
+    SWAP_AB (bf16 decode only): the tile is computed as W @ x^T, [BLOCK_N, BLOCK_M], so the
+    decoded weights are wgmma's register operand (see _fused_moe_kernels) rather than a
+    bf16 tile staged through shared memory."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -55,8 +60,25 @@ def fp8_block_linear_kernel(
     step_lo = pid_k * steps_per_split
     step_hi = tl.minimum(step_lo + steps_per_split, k_steps)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     ws_row = ws_ptr + (offs_n // 128) * stride_wsn
+    if SWAP_AB:
+        acc_t = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+        for step in range(step_lo, step_hi):
+            offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
+            mask_k = offs_k < K
+            x_t = tl.load(x_ptr + offs_m[None, :] * stride_xm + offs_k[:, None],
+                          mask=mask_m[None, :] & mask_k[:, None], other=0.0)  # fmt: skip
+            q = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+                        mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # fmt: skip
+            ws = tl.load(ws_row + (step * BLOCK_K) // 128, mask=mask_n, other=0)
+            if SCALE_E8M0:
+                ws = e8m0_to_f32(ws)
+            part = mma(q.to(x_t.dtype), x_t, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), F32_DOT)
+            acc_t += part * ws[:, None]
+        y = y_ptr + pid_k * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y, acc_t.to(y_ptr.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
+        return
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(step_lo, step_hi):
         offs_k = step * BLOCK_K + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K

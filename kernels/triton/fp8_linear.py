@@ -176,6 +176,7 @@ def fp8_block_linear(
         _launch_gemv(x2, weight, scale, y, cfg)
         return y.reshape(*lead, n)
     assert 128 % cfg["BLOCK_K"] == 0, f"BLOCK_K must divide 128, got {cfg['BLOCK_K']}"
+    assert not (native_fp8 and cfg.get("SWAP_AB")), "SWAP_AB is a bf16-decode tile option"
 
     if native_fp8:
         xin, xs = act_quant(x2)
@@ -192,7 +193,7 @@ def fp8_block_linear(
         SCALE_E8M0=scale.dtype == torch.uint8,
         NATIVE_FP8=native_fp8,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-        F32_DOT=interpreting(),
+        F32_DOT=interpreting(), SWAP_AB=cfg.get("SWAP_AB", False),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )  # fmt: skip
     if split > 1:
