@@ -358,6 +358,11 @@ def _swap_candidates(base: dict, fmt: str) -> list[dict]:
     out += [dict(best_guess, GU_SPLIT_K=gu, SPLIT_K=split)
             for gu, split in itertools.product((2, 4), (2, 4))]  # fmt: skip
     out.append(dict(best_guess, BLOCK_N=128, num_warps=8))
+    # Taller token tiles: an expert with more tokens than BLOCK_M decodes its weights once
+    # per token tile, so large batches may prefer fewer, wider tiles.
+    for bm in (32, 64):
+        if bm > base["BLOCK_M"]:
+            out += [dict(best_guess, BLOCK_M=bm), dict(best_guess, BLOCK_M=bm, num_stages=4)]
     return out
 
 
@@ -459,7 +464,7 @@ def run(
         rows += r
         tables["fp8_linear"].update(t)
     for n, k in ENGINE_LINEAR_SHAPES if linear else ():
-        if not _selected(only, f"moonlight-linear {n}x{k}"):
+        if not _selected(only, f"moonlight-linear-{n}x{k}"):
             continue
         r, t = bench_linear(n, k, copy_bps, device, tune, linear_tokens, (False,),
                             tune_max_tokens)  # fmt: skip
