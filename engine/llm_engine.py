@@ -148,7 +148,13 @@ class LLMEngine:
                 [n for s, n in zip(batch.seqs, batch.num_tokens) if not s.is_finished],
             )
         if not batch.seqs:
-            if self.scheduler.has_work() and not resolved:
+            # A sequence that outgrew the whole cache mid-decode was just preempted into
+            # the waiting queue: fail its request alone, as the next step would, rather
+            # than the run.
+            unrunnable = self.scheduler.abort_unrunnable()
+            for seq in unrunnable:
+                finished.extend(self._fail(seq.request_id, "sequence does not fit the KV cache"))
+            if self.scheduler.has_work() and not resolved and not unrunnable:
                 raise RuntimeError(
                     "scheduler made no progress: KV cache too small for any sequence"
                 )

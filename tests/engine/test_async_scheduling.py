@@ -122,6 +122,24 @@ def test_preemption_with_a_pending_token(tiny_llama):
     assert got == completions(ref.stream(requests))
 
 
+def test_a_sequence_outgrowing_the_cache_fails_alone(tiny_llama):
+    # 48 cache slots: r0 (a 2-token prompt, 60 new tokens) outgrows the whole cache mid-
+    # decode and fails with a message; the other requests finish as they would alone, and
+    # the synchronous and async engines agree (the synchronous one used to stop the run).
+    long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+    short = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    requests = reqs(lambda i: long if i == 0 else short)
+    sync, asyn = run_both(tiny_llama, requests, block_size=4, kv_cache_memory=512 * 48)
+    assert asyn == sync
+    llm = LLM(str(tiny_llama), dtype="float32", block_size=4, kv_cache_memory=512 * 48,
+              async_scheduling=False)  # fmt: skip
+    errors = {o.request_id: o.error for o in llm.stream(requests)}
+    assert errors.pop("r0") == "sequence does not fit the KV cache"
+    assert not any(errors.values())
+    ref = completions(LLM(str(tiny_llama), dtype="float32").stream(requests[1:]))
+    assert {k: v for k, v in sync.items() if k != "r0"} == ref
+
+
 def test_async_scheduling_refuses_speculative_tokens(tiny_llama):
     with pytest.raises(ValueError, match="async_scheduling"):
         LLM(str(tiny_llama), async_scheduling=True, speculative_tokens=1)
