@@ -33,6 +33,11 @@ class EngineConfig:
     # overlaps the GPU's (engine/pending_step.py). None: on when decode steps replay CUDA
     # graphs. A sequence that stops on a token computes one extra row, which is dropped.
     async_scheduling: bool | None = None
+    # GPUs with FP8 tensor cores (compute capability 8.9+): dense FP8 linears of steps with
+    # at least this many tokens quantize their activations to E4M3 per token per 128 (as
+    # DeepSeek's own inference does everywhere) and multiply FP8 x FP8. None: never; the
+    # activations stay bf16 and the weights are decoded to bf16 (exact against them).
+    fp8_native_min_tokens: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -47,6 +52,10 @@ class EngineConfig:
             raise ValueError(
                 "async_scheduling does not combine with speculative_tokens: a speculative "
                 "step needs its drafts' outcome before the next one is scheduled"
+            )
+        if self.fp8_native_min_tokens is not None and self.fp8_native_min_tokens < 1:
+            raise ValueError(
+                f"fp8_native_min_tokens must be >= 1 or None, got {self.fp8_native_min_tokens}"
             )
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; use auto or one of {sorted(_DTYPES)}")

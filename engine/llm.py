@@ -25,7 +25,8 @@ class LLM:
     turns on multi-token-prediction drafts (models whose checkpoint has an MTP layer).
     `async_scheduling` launches each decode step before the previous one's tokens are
     read, hiding the host's work behind the GPU's (default: on where decode steps replay
-    CUDA graphs).
+    CUDA graphs). `fp8_native_min_tokens` N lets dense FP8 linears of steps of >= N tokens
+    quantize activations to FP8 on GPUs that multiply FP8 natively (default: never).
     """
 
     def __init__(
@@ -42,6 +43,7 @@ class LLM:
         record_routing: bool = False,
         speculative_tokens: int = 0,
         async_scheduling: bool | None = None,
+        fp8_native_min_tokens: int | None = None,
     ) -> None:
         self.config = EngineConfig(
             model=str(model),
@@ -56,6 +58,7 @@ class LLM:
             record_routing=record_routing,
             speculative_tokens=speculative_tokens,
             async_scheduling=async_scheduling,
+            fp8_native_min_tokens=fp8_native_min_tokens,
         )
         self.engine = LLMEngine(self.config)
         self.model_name = str(model)

@@ -243,6 +243,7 @@ def bench_engine(
     new_tokens: int,
     copy_bps: float,
     profile_step: bool,
+    fp8_native_min_tokens: int | None = None,
 ) -> tuple[list[dict], dict]:
     from engine.llm import LLM
 
@@ -254,6 +255,7 @@ def bench_engine(
         max_num_seqs=max(batches),
         max_num_batched_tokens=16384,
         max_model_len=prompt_len + new_tokens + 16,
+        fp8_native_min_tokens=fp8_native_min_tokens,
     )
     runner = llm.engine.runner
     info = {
@@ -412,6 +414,7 @@ def run(
     new_tokens: int,
     workdir: Path,
     name: str,
+    fp8_native_min_tokens: int | None = None,
 ) -> dict:
     from batchgen.bench.kernels import copy_bandwidth
 
@@ -426,15 +429,15 @@ def run(
         "layers": layers,
         "prompt_tokens": prompt_len,
         "new_tokens": new_tokens,
+        "fp8_native_min_tokens": fp8_native_min_tokens,
         "results": [],
         "engine_info": {},
     }
     paths = {}
     for w in weights:
         paths[w] = make_checkpoint(workdir, preset, layers, w)
-        rows, info = bench_engine(
-            paths[w], w, batches, prompt_len, new_tokens, copy_bps, profile_step=True
-        )
+        rows, info = bench_engine(paths[w], w, batches, prompt_len, new_tokens, copy_bps,
+                                  profile_step=True, fp8_native_min_tokens=fp8_native_min_tokens)  # fmt: skip
         payload["results"] += rows
         payload["engine_info"][w] = info
         write_result(name, payload)  # after each phase, so a cut-off run keeps its numbers
@@ -484,14 +487,17 @@ def _ints(text: str) -> tuple[int, ...]:
     help="Where the random checkpoints are written.",
 )
 @click.option("--name", default="decode-h200-moonlight", show_default=True, help="JSON name.")
-def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens, workdir, name):
+@click.option("--fp8-native-min-tokens", type=int, default=None,
+              help="Dense FP8 linears multiply in FP8 from this many tokens (default: never).")  # fmt: skip
+def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens, workdir, name,
+            fp8_native_min_tokens):  # fmt: skip
     """Decode tok/s of a DeepSeek-V3-family MoE on the GPU vs transformers and the roofline."""
     chosen = tuple(w.strip() for w in weights.split(",") if w.strip())
     unknown = [w for w in chosen if w not in WEIGHTS]
     if unknown:
         raise click.BadParameter(f"unknown weights {unknown}; choose from {sorted(WEIGHTS)}")
     run(preset, layers, chosen, _ints(batches), _ints(hf_batches), prompt_len, new_tokens,
-        workdir, name)  # fmt: skip
+        workdir, name, fp8_native_min_tokens)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -441,6 +441,7 @@ def run(
     linear: bool = True,
     tune_max_tokens: int = TUNE_MAX_TOKENS,
     linear_tokens: tuple[int, ...] = ENGINE_LINEAR_TOKENS,
+    linear_native: bool = False,
 ) -> dict:
     """Run every case (or those whose name contains `only`; MoE token counts `tokens` instead
     of each case's own; no FP8 linear rows with linear=False); returns the JSON payload.
@@ -466,7 +467,8 @@ def run(
     for n, k in ENGINE_LINEAR_SHAPES if linear else ():
         if not _selected(only, f"moonlight-linear-{n}x{k}"):
             continue
-        r, t = bench_linear(n, k, copy_bps, device, tune, linear_tokens, (False,),
+        natives = (False, True) if linear_native else (False,)
+        r, t = bench_linear(n, k, copy_bps, device, tune, linear_tokens, natives,
                             tune_max_tokens)  # fmt: skip
         rows += r
         tables["fp8_linear"].update(t)
@@ -498,6 +500,8 @@ def run(
               help="MoE token counts up to which --tune sweeps configs.")  # fmt: skip
 @click.option("--linear-tokens", default="",
               help="Token counts of the engine's FP8 linear rows (default: 1,2,4,8,64).")  # fmt: skip
+@click.option("--linear-native", is_flag=True,
+              help="Engine linear rows with native FP8 too (EngineConfig.fp8_native_min_tokens).")  # fmt: skip
 @click.option("--linear-paths", is_flag=True,
               help="Only time the FP8 linear's GEMV, dot and native paths at decode sizes.")  # fmt: skip
 def command(
@@ -509,6 +513,7 @@ def command(
     name: str,
     tune_max_tokens: int,
     linear_tokens: str,
+    linear_native: bool,
     linear_paths: bool,
 ) -> None:
     """Fused MoE and FP8 linear: GB/s and % of copy bandwidth, vs plain torch."""
@@ -524,7 +529,8 @@ def command(
     linear_counts = tuple(int(v) for v in linear_tokens.split(",") if v.strip())
     payload = run(tune=tune, tuned_dir=tuned_dir, only=only, tokens=counts,
                   linear=not no_linear, tune_max_tokens=tune_max_tokens,
-                  linear_tokens=linear_counts or ENGINE_LINEAR_TOKENS)  # fmt: skip
+                  linear_tokens=linear_counts or ENGINE_LINEAR_TOKENS,
+                  linear_native=linear_native)  # fmt: skip
     path = write_result(name, payload)
     click.echo(f"wrote {path}")
 

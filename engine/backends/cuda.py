@@ -2,7 +2,8 @@
 input is a CUDA tensor. One dispatch line in each layer leads here:
 
   RMSNorm.forward              -> rmsnorm             Triton, residual add fused
-  Fp8BlockFormat.apply         -> fp8_linear          Triton, E4M3 decoded in registers
+  Fp8BlockFormat.apply         -> fp8_linear          Triton, E4M3 decoded in registers (or
+                                                      FP8 x FP8, EngineConfig.fp8_native_min_tokens)
   DeepseekMoE.forward          -> moe_forward         router kernel + fused MoE (bf16/FP8/MXFP4)
   MultiLatentAttention.forward -> mla_decode_forward  (decode steps) one kernel for rope, latent
                                                       norm and cache write; absorbed MLA decode
@@ -36,9 +37,11 @@ import torch.nn.functional as F
 
 from engine.layers.attention_context import AttentionContext
 from engine.layers.deepseek_router import RouterSpec, select_experts
+from engine.layers.linear import Linear
 from engine.layers.mla import MultiLatentAttention, context_slots
 from engine.layers.moe import DeepseekMoE, RoutedExperts, routed_experts_forward
 from engine.models.base import CausalLM
+from engine.quant.fp8_block import Fp8BlockFormat
 
 log = logging.getLogger(__name__)
 
@@ -66,11 +69,17 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     return rmsnorm_kernel(x, weight, eps, residual)
 
 
-def fp8_linear(x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """x [..., K] bf16/fp16 @ (E4M3 [N, K] with 128x128 block scales)^T -> [..., N]."""
+def fp8_linear(
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, native_min_tokens: int | None = None
+) -> torch.Tensor:
+    """x [..., K] bf16/fp16 @ (E4M3 [N, K] with 128x128 block scales)^T -> [..., N]. At
+    >= native_min_tokens rows (set by prepare_model on GPUs with FP8 tensor cores) the
+    activations are quantized per token per 128 and multiplied as FP8."""
     from kernels.triton.fp8_linear import fp8_block_linear
 
-    return fp8_block_linear(x, weight, scale)
+    rows = x.numel() // max(1, x.shape[-1])
+    native = native_min_tokens is not None and rows >= native_min_tokens
+    return fp8_block_linear(x, weight, scale, native_fp8=native)
 
 
 # -- MoE --------------------------------------------------------------------------------
@@ -359,10 +368,22 @@ def absorbed_decode_torch(
 
 
 # -- the whole model --------------------------------------------------------------------
-def prepare_model(model: CausalLM, dtype: torch.dtype, max_model_len: int) -> None:
-    """Once after loading, on CUDA: stacked expert views and MLA decode state."""
+def prepare_model(
+    model: CausalLM,
+    dtype: torch.dtype,
+    max_model_len: int,
+    fp8_native_min_tokens: int | None = None,
+) -> None:
+    """Once after loading, on CUDA: stacked expert views, MLA decode state, and the token
+    count from which dense FP8 linears multiply in FP8 (EngineConfig.fp8_native_min_tokens;
+    only where the GPU has FP8 tensor cores)."""
+    native = fp8_native_min_tokens if _has_fp8_tensor_cores() else None
+    if fp8_native_min_tokens is not None and native is None:
+        log.warning("fp8_native_min_tokens ignored: this GPU has no FP8 tensor cores")
     fused = 0
     for module in model.modules():
+        if isinstance(module, Linear) and isinstance(module.format, Fp8BlockFormat):
+            module.cuda_native_min_tokens = native
         if isinstance(module, RoutedExperts):
             module.cuda_fused = stack_experts(module)
             fused += module.cuda_fused is not None
@@ -372,6 +393,14 @@ def prepare_model(model: CausalLM, dtype: torch.dtype, max_model_len: int) -> No
             module.cuda_state = prepare_mla(module, dtype, max_model_len)
     if fused:
         log.info("CUDA backend: %d MoE layers on the fused kernel", fused)
+
+
+def _has_fp8_tensor_cores() -> bool:
+    """sm_89 (Ada) and sm_90+ (Hopper on) multiply E4M3 natively; the interpreter (CPU tests)
+    runs the FP8 dot too."""
+    if not torch.cuda.is_available():
+        return True
+    return torch.cuda.get_device_capability() >= (8, 9)
 
 
 # Memory kept free after the KV cache: CUDA graphs' pool (largest bucket's activations and

@@ -132,3 +132,28 @@ def test_mxfp4_scales_beyond_the_kernels_exact_range_are_refused(tmp_path):
     experts.down_proj.scale.data[0, 0, 0] = 129  # 2^2: beyond the bf16-folded decode
     with pytest.raises(ValueError, match=r"down_proj\.scale: MXFP4 scale byte 129"):
         backend.prepare_model(model, torch.bfloat16, 64)
+
+
+def test_fp8_linears_multiply_in_fp8_from_the_configured_token_count(tmp_path):
+    from engine.layers.linear import Linear
+    from engine.quant.fp8_block import Fp8BlockFormat
+    from kernels.triton.fp8_linear import fp8_block_linear
+
+    make_random_checkpoint(tmp_path, preset="tiny", dense_dtype="fp8", seed=6, device="cpu",
+                           mtp=False)  # fmt: skip
+    model = _bf16_model(tmp_path)
+    backend.prepare_model(model, torch.bfloat16, 64, fp8_native_min_tokens=3)
+    fp8 = [
+        m for m in model.modules() if isinstance(m, Linear) and isinstance(m.format, Fp8BlockFormat)
+    ]
+    assert fp8 and all(m.cuda_native_min_tokens == 3 for m in fp8)
+    layer = fp8[0]
+    scale = getattr(layer, layer.format.scale_name)
+    gen = torch.Generator().manual_seed(9)
+    for rows, native in ((2, False), (3, True)):
+        x = torch.randn(rows, layer.in_features, generator=gen).bfloat16()
+        got = backend.fp8_linear(x, layer.weight, scale, layer.cuda_native_min_tokens)
+        assert torch.equal(got, fp8_block_linear(x, layer.weight, scale, native_fp8=native))
+        # (the two paths differ: the quantized activations change the result's low bits)
+        other = fp8_block_linear(x, layer.weight, scale, native_fp8=not native)
+        assert not torch.equal(got, other)
