@@ -56,6 +56,25 @@ fma.rn.bf16x2 $3, u, $6, nz;
 
 
 @triton.jit
+def _mxfp4_plain(b, f, F32_DOT: tl.constexpr):
+    """The decode in plain Triton ops, elementwise: codes b (uint8) and factors f (bf16
+    2^(s-1), broadcastable to b) -> (low nibble's weight, high nibble's), bits as in
+    _mxfp4_weights. F32_DOT: float32 results (the interpreter has no bf16 arithmetic, see
+    _common, and flushes bf16 subnormals when it widens them; the bits shifted into a
+    float32 are the same values)."""
+    bi = b.to(tl.int32)
+    lo = ((bi & 7) << 6) | ((bi & 8) << 12)
+    hi = ((bi & 0x70) << 2) | ((bi & 0x80) << 8)
+    if F32_DOT:
+        w_lo = (lo << 16).to(tl.float32, bitcast=True) * f.to(tl.float32)
+        w_hi = (hi << 16).to(tl.float32, bitcast=True) * f.to(tl.float32)
+    else:
+        w_lo = lo.to(tl.int16).to(tl.bfloat16, bitcast=True) * f
+        w_hi = hi.to(tl.int16).to(tl.bfloat16, bitcast=True) * f
+    return w_lo, w_hi
+
+
+@triton.jit
 def _mxfp4_weights(b, f, F32_DOT: tl.constexpr, ASM: tl.constexpr):
     """Codes b (uint8 [GROUPS, 16, BN]) and per-group factors f (bf16 2^(s-1), [GROUPS, 1, BN])
     -> the low and high nibbles' weights as bf16 [GROUPS * 16, BN], scale included.
@@ -75,18 +94,7 @@ def _mxfp4_weights(b, f, F32_DOT: tl.constexpr, ASM: tl.constexpr):
             pack=4,
         )
     else:
-        bi = b.to(tl.int32)
-        lo = ((bi & 7) << 6) | ((bi & 8) << 12)
-        hi = ((bi & 0x70) << 2) | ((bi & 0x80) << 8)
-        if F32_DOT:
-            # The interpreter has no bf16 arithmetic (see _common) and flushes bf16
-            # subnormals when it widens them: the bits shifted into a float32 are the same
-            # values.
-            w_lo = (lo << 16).to(tl.float32, bitcast=True) * f.to(tl.float32)
-            w_hi = (hi << 16).to(tl.float32, bitcast=True) * f.to(tl.float32)
-        else:
-            w_lo = lo.to(tl.int16).to(tl.bfloat16, bitcast=True) * f
-            w_hi = hi.to(tl.int16).to(tl.bfloat16, bitcast=True) * f
+        w_lo, w_hi = _mxfp4_plain(b, f, F32_DOT)
     rows: tl.constexpr = b.shape[0] * b.shape[1]
     return tl.reshape(w_lo, (rows, b.shape[2])), tl.reshape(w_hi, (rows, b.shape[2]))
 
@@ -131,15 +139,7 @@ def _mxfp4_weight_rows(b, f, F32_DOT: tl.constexpr, ASM: tl.constexpr):
             pack=1,
         )
     else:
-        bi = b.to(tl.int32)
-        lo = ((bi & 7) << 6) | ((bi & 8) << 12)
-        hi = ((bi & 0x70) << 2) | ((bi & 0x80) << 8)
-        if F32_DOT:  # see _mxfp4_weights
-            w_lo = (lo << 16).to(tl.float32, bitcast=True) * fb.to(tl.float32)
-            w_hi = (hi << 16).to(tl.float32, bitcast=True) * fb.to(tl.float32)
-        else:
-            w_lo = lo.to(tl.int16).to(tl.bfloat16, bitcast=True) * fb
-            w_hi = hi.to(tl.int16).to(tl.bfloat16, bitcast=True) * fb
+        w_lo, w_hi = _mxfp4_plain(b, fb, F32_DOT)
     return tl.reshape(tl.join(w_lo, w_hi), (BN, 2 * KB))
 
 
@@ -249,12 +249,8 @@ def _apply_weights(
         elif WFMT == 0:
             acc = mma(codes, a_t, acc, F32_DOT)
         else:
-            s = scales
-            if WFMT == 2:
-                s = e8m0_to_f32(s)
-            part = tl.zeros(acc.shape, dtype=tl.float32)
-            part = mma(codes.to(a_t.dtype), a_t, part, F32_DOT)
-            acc += part * s[:, None]
+            part = mma(codes.to(a_t.dtype), a_t, tl.zeros(acc.shape, tl.float32), F32_DOT)
+            acc += part * _fp8_block_scales(scales, WFMT)[:, None]
     elif WFMT == 3 and DOT_SCALED:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a = tl.load(a_ptr[:, None] + offs_k[None, :],
@@ -280,13 +276,17 @@ def _apply_weights(
         if WFMT == 0:
             acc = mma(a, codes, acc, F32_DOT)
         else:
-            s = scales
-            if WFMT == 2:
-                s = e8m0_to_f32(s)
-            part = tl.zeros(acc.shape, dtype=tl.float32)
-            part = mma(a, codes.to(a.dtype), part, F32_DOT)
-            acc += part * s[None, :]
+            part = mma(a, codes.to(a.dtype), tl.zeros(acc.shape, tl.float32), F32_DOT)
+            acc += part * _fp8_block_scales(scales, WFMT)[None, :]
     return acc
+
+
+@triton.jit
+def _fp8_block_scales(scales, WFMT: tl.constexpr):
+    """FP8 block scales as float32: WFMT 1 stores them so, WFMT 2 as E8M0 bytes."""
+    if WFMT == 2:
+        scales = e8m0_to_f32(scales)
+    return scales
 
 
 @triton.jit
