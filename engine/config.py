@@ -36,7 +36,8 @@ class EngineConfig:
     # GPUs with FP8 tensor cores (compute capability 8.9+): dense FP8 linears of steps with
     # at least this many tokens quantize their activations to E4M3 per token per 128 (as
     # DeepSeek's own inference does everywhere) and multiply FP8 x FP8. None: never; the
-    # activations stay bf16 and the weights are decoded to bf16 (exact against them).
+    # activations stay bf16 and the weights are decoded to bf16 (exact against them). A
+    # decode step replayed from a CUDA graph counts its bucket's padded batch.
     fp8_native_min_tokens: int | None = None
 
     def __post_init__(self) -> None:

@@ -370,7 +370,8 @@ def _mxfp4_candidates(base: dict) -> list[dict]:
     """MXFP4: the heuristic's A @ W^T tile (decoded tiles through shared memory), Triton's
     tl.dot_scaled, and the SWAP_AB tiles (decoded tiles straight into wgmma), which won
     every Moonlight shape on the H200 (2026-11-29, third session)."""
-    out = [base, dict(base, BLOCK_N=128, MXFP4_DOT_SCALED=True)]
+    a_wt = dict(base, SWAP_AB=False, BLOCK_N=64, BLOCK_K=128)  # the A @ W^T tile
+    out = [base, a_wt, dict(a_wt, BLOCK_N=128, MXFP4_DOT_SCALED=True)]
     return out + _swap_candidates(base, "mxfp4")
 
 

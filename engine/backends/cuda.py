@@ -69,17 +69,18 @@ def rmsnorm(x: torch.Tensor, weight: torch.Tensor, eps: float, residual: torch.T
     return rmsnorm_kernel(x, weight, eps, residual)
 
 
-def fp8_linear(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, native_min_tokens: int | None = None
-) -> torch.Tensor:
-    """x [..., K] bf16/fp16 @ (E4M3 [N, K] with 128x128 block scales)^T -> [..., N]. At
-    >= native_min_tokens rows (set by prepare_model on GPUs with FP8 tensor cores) the
-    activations are quantized per token per 128 and multiplied as FP8."""
+def fp8_linear(layer: Linear, x: torch.Tensor) -> torch.Tensor:
+    """x [..., K] bf16/fp16 @ (the layer's E4M3 [N, K] with 128x128 block scales)^T ->
+    [..., N]. From the layer's cuda_native_min_tokens rows on (set by prepare_model on GPUs
+    with FP8 tensor cores) the activations are quantized per token per 128 and multiplied
+    as FP8. Under CUDA graphs the rows are the padded batch of the graph's bucket."""
     from kernels.triton.fp8_linear import fp8_block_linear
 
+    scale = getattr(layer, layer.format.scale_name)
+    native_min = getattr(layer, "cuda_native_min_tokens", None)
     rows = x.numel() // max(1, x.shape[-1])
-    native = native_min_tokens is not None and rows >= native_min_tokens
-    return fp8_block_linear(x, weight, scale, native_fp8=native)
+    native = native_min is not None and rows >= native_min
+    return fp8_block_linear(x, layer.weight, scale, native_fp8=native)
 
 
 # -- MoE --------------------------------------------------------------------------------

@@ -53,7 +53,7 @@ class Fp8BlockFormat(WeightFormat, ExpertWeightFormat):
             # GPU backend: codes decoded in registers by a Triton kernel (engine/backends/cuda.py)
             from engine.backends.cuda import fp8_linear
 
-            return fp8_linear(x, weight, scale, getattr(layer, "cuda_native_min_tokens", None))
+            return fp8_linear(layer, x)
         return tiled_matmul(
             x,
             weight.shape[0],

@@ -182,12 +182,7 @@ def fused_moe(
         return torch.empty_like(x)
     cfg = config or configs.lookup(OP, shape_key(t, top_k, e, d, i, fmt), x.device)
     cfg = dict(cfg) if cfg is not None else default_config(t * top_k, e, fmt)
-    if fmt == "fp8":
-        assert 128 % cfg["BLOCK_K"] == 0, f"FP8 needs BLOCK_K dividing 128, got {cfg['BLOCK_K']}"
-    if fmt == "mxfp4":
-        assert cfg["BLOCK_K"] % 32 == 0, (
-            f"MXFP4 needs BLOCK_K a multiple of 32, got {cfg['BLOCK_K']}"
-        )
+    _check_config(cfg, fmt)
 
     y = torch.empty((t, d), dtype=torch.float32, device=x.device)  # zeroed by moe_align
     align = moe_align(topk_ids, e, cfg["BLOCK_M"], zero=y)
@@ -225,6 +220,20 @@ def fused_moe(
     return y if out_dtype == torch.float32 else y.to(out_dtype or x.dtype)
 
 
+def _check_config(cfg: dict, fmt: str) -> None:
+    """A config (given, tuned or heuristic) the kernels can run for this weight format."""
+    if fmt == "fp8":
+        assert 128 % cfg["BLOCK_K"] == 0, f"FP8 needs BLOCK_K dividing 128, got {cfg['BLOCK_K']}"
+    if fmt == "mxfp4":
+        assert cfg["BLOCK_K"] % 32 == 0, (
+            f"MXFP4 needs BLOCK_K a multiple of 32, got {cfg['BLOCK_K']}"
+        )
+    assert not (cfg.get("SWAP_AB") and cfg.get("MXFP4_DOT_SCALED")), (
+        "MXFP4_DOT_SCALED is an A @ W^T tile option; it does not combine with SWAP_AB"
+    )
+    assert cfg.get("GU_SPLIT_K", 1) == 1 or cfg.get("SWAP_AB"), "GU_SPLIT_K needs SWAP_AB"
+
+
 def _gate_up_tiles(i: int, cfg: dict) -> int:
     """N tiles of the gate+up launch: SWAP_AB tiles hold BLOCK_N/2 units' gate and up rows."""
     return triton.cdiv(i, cfg["BLOCK_N"] // 2 if cfg.get("SWAP_AB") else cfg["BLOCK_N"])
@@ -236,7 +245,6 @@ def _gate_up_split_buffers(tiles_m: int, i: int, cfg: dict, stand_in: torch.Tens
     split = cfg.get("GU_SPLIT_K", 1)
     if split == 1:
         return stand_in, stand_in
-    assert cfg.get("SWAP_AB"), "GU_SPLIT_K needs SWAP_AB"
     device = stand_in.device
     part = torch.empty((split, tiles_m * cfg["BLOCK_M"], 2 * i), dtype=torch.float32,
                        device=device)  # fmt: skip
@@ -271,6 +279,7 @@ def _shared_gate_up(x: torch.Tensor, shared: SharedExpert, d: int) -> torch.Tens
     t = x.shape[0]
     i = _check_shared(shared, d)
     cfg = dense_config(t, d, i, shared.fmt, x.device)
+    _check_config(cfg, shared.fmt)
     h = torch.empty((t, i), dtype=x.dtype, device=x.device)
     s13, *s13_strides = _scale_args(shared.w13, shared.w13_scale, expert_dim=False)
     tiles_m = triton.cdiv(t, cfg["BLOCK_M"])
@@ -289,6 +298,7 @@ def _shared_down(h: torch.Tensor, shared: SharedExpert, y: torch.Tensor) -> None
     t, d = y.shape
     i = h.shape[1]
     cfg = dense_config(t, d, i, shared.fmt, y.device)
+    _check_config(cfg, shared.fmt)
     split = cfg.get("SPLIT_K", 1)
     s2, *s2_strides = _scale_args(shared.w2, shared.w2_scale, expert_dim=False)
     moe_down_kernel[(triton.cdiv(t, cfg["BLOCK_M"]), triton.cdiv(d, cfg["BLOCK_N"]), split)](

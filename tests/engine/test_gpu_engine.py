@@ -110,10 +110,22 @@ def _gpu_logits(model, tokens: list[int]) -> torch.Tensor:
     ("dense", "experts", "native"),
     [("bf16", "bf16", None), ("fp8", "mxfp4", None), ("fp8", "mxfp4", 1)],
 )
-def test_bf16_logits_close_to_float32_cpu_at_moonlight_shapes(tmp_path, dense, experts, native):
+def test_bf16_logits_close_to_float32_cpu_at_moonlight_shapes(
+    tmp_path, dense, experts, native, monkeypatch
+):
     # native=1: every dense FP8 linear quantizes its activations (EngineConfig.
     # fp8_native_min_tokens), one E4M3 rounding per linear input on top of bf16
+    import kernels.triton.fp8_linear as fp8_module
     from engine.llm import LLM
+
+    paths = []  # the native_fp8 flag of every FP8 linear call: the option must reach them
+    plain = fp8_module.fp8_block_linear
+
+    def recorded(*args, native_fp8=False, **kwargs):
+        paths.append(native_fp8)
+        return plain(*args, native_fp8=native_fp8, **kwargs)
+
+    monkeypatch.setattr(fp8_module, "fp8_block_linear", recorded)
 
     path = make_random_checkpoint(
         tmp_path / "m",
@@ -135,7 +147,10 @@ def test_bf16_logits_close_to_float32_cpu_at_moonlight_shapes(tmp_path, dense, e
         kv_cache_memory=1 << 30,
         fp8_native_min_tokens=native,
     )
+    paths.clear()  # count the logits forward only, not start-up's warm-up and capture
     got = _gpu_logits(gpu.engine.runner.model, tokens)
+    if dense == "fp8":
+        assert paths and all(p == (native is not None) for p in paths)
     del gpu
     torch.cuda.empty_cache()
     cpu_model = load_engine_model(path, enable_mtp=False)

@@ -163,14 +163,55 @@ def test_fused_moe_swap_ab(fmt, t, a, split):
     assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
 
 
-def test_launch_meta_names_only_kernel_parameters():
-    # The interpreter ignores unknown keyword arguments; a GPU launch raises on them.
-    from kernels.triton._fused_moe_kernels import moe_down_kernel, moe_gate_up_kernel
+class _LaunchRecorder:
+    """Stands in for a Triton kernel: records each launch's keywords, runs nothing."""
 
-    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SWAP_AB=True, GU_SPLIT_K=2, SPLIT_K=2)
+    def __init__(self, kernel):
+        self.arg_names, self.keywords = set(kernel.arg_names), []
+
+    def __getitem__(self, grid):
+        return lambda *args, **kwargs: self.keywords.append(set(kwargs))
+
+
+def test_launches_pass_only_kernel_parameters(monkeypatch):
+    # The interpreter ignores unknown keyword arguments; a GPU launch raises on them.
+    from kernels.triton import _fused_moe_kernels as kernels
+
+    recorders = {}
+    for name in ("moe_gate_up_kernel", "moe_down_kernel"):
+        recorders[name] = _LaunchRecorder(getattr(kernels, name))
+        monkeypatch.setattr(fused_moe_module, name, recorders[name])
+    args, kw = make_moe(3, d=128, i=64, e=4, a=2, fmt="mxfp4", seed=1)
+    shared = random_shared(128, 128, "mxfp4", seed=2)
+    swap = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SWAP_AB=True, GU_SPLIT_K=2, SPLIT_K=2)
+    monkeypatch.setattr(fused_moe_module, "dense_config", lambda *a, **k: dict(swap))
+    for cfg in (swap, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, MXFP4_DOT_SCALED=True)):
+        fused_moe(*args, **kw, shared=shared, config=cfg)
     options = {"num_warps", "num_stages"}
-    for kernel in (moe_gate_up_kernel, moe_down_kernel):
-        assert set(fused_moe_module._launch_meta(cfg)) - options <= set(kernel.arg_names)
+    for rec in recorders.values():
+        assert len(rec.keywords) == 4  # routed and shared launches, two configs
+        assert all(k - options <= rec.arg_names for k in rec.keywords)
+
+
+def test_swapped_configs_refuse_options_of_the_other_orientation():
+    args, kw = make_moe(2, d=64, i=64, e=3, a=2, fmt="mxfp4", seed=1)
+    both = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SWAP_AB=True, MXFP4_DOT_SCALED=True)
+    with pytest.raises(AssertionError, match="does not combine with SWAP_AB"):
+        fused_moe(*args, **kw, config=both)
+    with pytest.raises(AssertionError, match="GU_SPLIT_K needs SWAP_AB"):
+        fused_moe(*args, **kw, config=dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GU_SPLIT_K=2))
+
+
+@pytest.mark.parametrize("gu_split,split", [(1, 2), (4, 1)])
+def test_fused_moe_swap_ab_fp8_e8m0_scales(gu_split, split):
+    # E8M0 block scales (V4) on the swapped tiles; the up rows of the stacked [2I, D] weight
+    # start mid 128-row scale block (I = 96)
+    args, kw = make_moe(6, d=256, i=96, e=4, a=2, fmt="fp8", seed=gu_split,
+                        scale_dtype=torch.uint8)  # fmt: skip
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SWAP_AB=True, GU_SPLIT_K=gu_split,
+               SPLIT_K=split, num_warps=4, num_stages=2)  # fmt: skip
+    out = fused_moe(*args, **kw, config=cfg)
+    assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
