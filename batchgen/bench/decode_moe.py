@@ -91,15 +91,18 @@ def run_engine_batch(llm, batch: int, prompt_len: int, new_tokens: int, vocab: i
     for i, prompt in enumerate(random_prompts(batch, prompt_len, vocab, seed=batch)):
         engine.add_request(f"b{batch}-{i}", prompt, params)
     decode_s: list[float] = []
+    prefill_s = 0.0  # steps that compute prompt tokens (end-to-end time beyond decode)
     start = time.perf_counter()
     done = 0
     while engine.has_unfinished():
-        running = engine.scheduler.running
+        running = list(engine.scheduler.running)  # the step finishes sequences in place
         decode = not engine.scheduler.waiting and all(s.num_computed == len(s) - 1 for s in running)
         t0 = time.perf_counter()
         done += len(engine.step())
         if decode and running:
             decode_s.append(time.perf_counter() - t0)
+        elif not decode:
+            prefill_s += time.perf_counter() - t0
     total = time.perf_counter() - start
     if done != batch:
         raise RuntimeError(f"batch {batch}: {done} requests finished, expected {batch}")
@@ -109,6 +112,7 @@ def run_engine_batch(llm, batch: int, prompt_len: int, new_tokens: int, vocab: i
         "tok_s": batch / (ms * 1e-3),
         "e2e_tok_s": batch * new_tokens / total,
         "decode_steps": len(decode_s),
+        "prefill_ms": 1e3 * prefill_s,
     }
 
 
@@ -159,6 +163,45 @@ class _WaitTimer:
         from engine.pending_step import PendingStep
 
         PendingStep.tokens = self._original
+
+
+def profile_prefill_step(llm, prompt_len: int, vocab: int, batch: int) -> dict:
+    """Device time by kernel and wall time of the step that prefills `batch` prompts (one
+    step when they fit max_num_batched_tokens): where end-to-end time beyond decode goes."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from engine.sampling_params import SamplingParams
+
+    engine = llm.engine
+    params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    for i, prompt in enumerate(random_prompts(batch, prompt_len, vocab, seed=11)):
+        engine.add_request(f"prefill-{i}", prompt, params)
+    cuda = torch.cuda.is_available()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
+    if cuda:
+        torch.cuda.synchronize()
+    with profile(activities=activities) as prof:
+        t0 = time.perf_counter()
+        engine.step()
+        if cuda:
+            torch.cuda.synchronize()
+        wall = time.perf_counter() - t0
+    kernels = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    device_us: collections.Counter = collections.Counter()
+    for e in kernels:
+        device_us[e.name[:60]] += e.time_range.elapsed_us()
+    # prompts this one step computed in full (the rest did not fit max_num_batched_tokens)
+    prefilled = sum(1 for s in engine.scheduler.running if s.num_computed >= len(s) - 1)
+    while engine.has_unfinished():
+        engine.step()
+    return {
+        "prompts": batch,
+        "prefilled_prompts": prefilled,
+        "wall_ms": 1e3 * wall,
+        "kernel_us": sum(device_us.values()),
+        "kernels": len(kernels),
+        "top_kernels_us": {n: round(us, 1) for n, us in device_us.most_common(16)},
+    }
 
 
 def profile_decode_step(
@@ -301,6 +344,8 @@ def bench_engine(
                 llm, prompt_len, vocab, batch=big, modes=("graph",)
             )
             log(f"{weights}: profile {info[f'profile_batch{big}']}")
+        info[f"profile_prefill_batch{big}"] = profile_prefill_step(llm, prompt_len, vocab, big)
+        log(f"{weights}: prefill profile {info[f'profile_prefill_batch{big}']}")
     del llm, runner, model
     gc.collect()
     torch.cuda.empty_cache()
