@@ -58,8 +58,10 @@ MOE_CASES = [
 LINEAR_SHAPES = [(18432, 7168), (7168, 18432), (32768, 4096), (4096, 32768)]  # (N, K)
 LINEAR_TOKENS = (1, 8, 64, 512)
 # The engine's FP8 linears on Moonlight (hidden 2048): q_proj, kv_a, o_proj, the dense MLP's
-# gate+up and down. Only the default path (the engine never asks for native FP8).
-ENGINE_LINEAR_SHAPES = [(3072, 2048), (576, 2048), (2048, 2048), (22528, 2048), (2048, 11264)]
+# gate+up and down, and the shared expert's gate or up and down (a plain MLP above
+# SHARED_FUSED_MAX_TOKENS). Native FP8 rows only with --linear-native.
+ENGINE_LINEAR_SHAPES = [(3072, 2048), (576, 2048), (2048, 2048), (22528, 2048), (2048, 11264),
+                        (2816, 2048), (2048, 2816)]  # fmt: skip
 ENGINE_LINEAR_TOKENS = (1, 2, 4, 8, 64)
 # Calls are timed as a chain over copies of the weight that together exceed the 50 MB L2
 # (as in a decode step, where each layer's weights come from HBM), in one CUDA graph (as
@@ -306,8 +308,6 @@ def _tune_linear(time_cfg, base: dict, m: int, n: int, k: int, native: bool) -> 
     from kernels.triton.fp8_linear import GEMV_MAX_M
 
     cands = [base] + _linear_candidates(m, base)
-    if native:  # SWAP_AB is a bf16-decode option
-        cands = [c for c in cands if not c.get("SWAP_AB")]
     if not native and m <= GEMV_MAX_M:
         tiles = [dict(_gemv_base(m, n, k), BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
                  for bn, bk, w in ((16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 256, 4),
@@ -392,8 +392,8 @@ def _linear_candidates(m: int, base: dict) -> list[dict]:
     swap = dict(dot, SWAP_AB=True, BLOCK_K=128, num_warps=4, num_stages=3)
     if m <= 32:
         bm = 16 if m <= 16 else 32
-        out += [dict(swap, BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split)
-                for bn, split in itertools.product((64, 128), (1, 2, 4))]  # fmt: skip
+        out += [dict(swap, BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, num_stages=stages)
+                for bn, split, stages in itertools.product((64, 128), (1, 2, 4), (3, 5))]  # fmt: skip
     else:
         out += [dict(swap, BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, num_stages=stages)
                 for bm, bn, stages in itertools.product((64, 128), (64, 128), (3, 4))]  # fmt: skip
@@ -443,9 +443,11 @@ def run(
     tune_max_tokens: int = TUNE_MAX_TOKENS,
     linear_tokens: tuple[int, ...] = ENGINE_LINEAR_TOKENS,
     linear_native: bool = False,
+    native_only: bool = False,
 ) -> dict:
     """Run every case (or those whose name contains `only`; MoE token counts `tokens` instead
-    of each case's own; no FP8 linear rows with linear=False); returns the JSON payload.
+    of each case's own; no FP8 linear rows with linear=False, only native FP8 ones with
+    native_only); returns the JSON payload.
     Tuned configs are merged into the committed tables before they are written."""
     if not torch.cuda.is_available():
         raise click.ClickException("bench kernels needs a CUDA GPU")
@@ -462,13 +464,15 @@ def run(
     for n, k in LINEAR_SHAPES if linear else ():
         if not _selected(only, f"linear {n}x{k}"):
             continue
-        r, t = bench_linear(n, k, copy_bps, device, tune, tune_max_tokens=tune_max_tokens)
+        natives = (True,) if native_only else (False, True)
+        r, t = bench_linear(n, k, copy_bps, device, tune, LINEAR_TOKENS, natives,
+                            tune_max_tokens)  # fmt: skip
         rows += r
         tables["fp8_linear"].update(t)
     for n, k in ENGINE_LINEAR_SHAPES if linear else ():
         if not _selected(only, f"moonlight-linear-{n}x{k}"):
             continue
-        natives = (False, True) if linear_native else (False,)
+        natives = (True,) if native_only else (False, True) if linear_native else (False,)
         r, t = bench_linear(n, k, copy_bps, device, tune, linear_tokens, natives,
                             tune_max_tokens)  # fmt: skip
         rows += r
@@ -503,6 +507,8 @@ def run(
               help="Token counts of the engine's FP8 linear rows (default: 1,2,4,8,64).")  # fmt: skip
 @click.option("--linear-native", is_flag=True,
               help="Engine linear rows with native FP8 too (EngineConfig.fp8_native_min_tokens).")  # fmt: skip
+@click.option("--native-only", is_flag=True,
+              help="FP8 linear rows with native FP8 only (the decode path's are skipped).")  # fmt: skip
 @click.option("--linear-paths", is_flag=True,
               help="Only time the FP8 linear's GEMV, dot and native paths at decode sizes.")  # fmt: skip
 def command(
@@ -515,6 +521,7 @@ def command(
     tune_max_tokens: int,
     linear_tokens: str,
     linear_native: bool,
+    native_only: bool,
     linear_paths: bool,
 ) -> None:
     """Fused MoE and FP8 linear: GB/s and % of copy bandwidth, vs plain torch."""
@@ -531,7 +538,7 @@ def command(
     payload = run(tune=tune, tuned_dir=tuned_dir, only=only, tokens=counts,
                   linear=not no_linear, tune_max_tokens=tune_max_tokens,
                   linear_tokens=linear_counts or ENGINE_LINEAR_TOKENS,
-                  linear_native=linear_native)  # fmt: skip
+                  linear_native=linear_native, native_only=native_only)  # fmt: skip
     path = write_result(name, payload)
     click.echo(f"wrote {path}")
 

@@ -45,9 +45,10 @@ def fp8_block_linear_kernel(
     SWAP_AB: tl.constexpr = False,
 ):
     """y = x @ dequant(W)^T over one [BLOCK_M, BLOCK_N] tile and 1/SPLIT_K of K.
-    SWAP_AB (bf16 decode only): the tile is computed as W @ x^T, [BLOCK_N, BLOCK_M], so the
-    decoded weights are wgmma's register operand (see _fused_moe_kernels) rather than a
-    bf16 tile staged through shared memory."""
+    SWAP_AB: the tile is computed as W @ x^T, [BLOCK_N, BLOCK_M]. With the bf16 decode the
+    decoded weights become wgmma's register operand (see _fused_moe_kernels) rather than a
+    bf16 tile staged through shared memory; with NATIVE_FP8 the weight rows fill wgmma's
+    64-row side, so a few tokens (the N side, 8 or more) still get wgmma, not mma.sync."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -73,8 +74,15 @@ def fp8_block_linear_kernel(
             ws = tl.load(ws_row + (step * BLOCK_K) // 128, mask=mask_n, other=0)
             if SCALE_E8M0:
                 ws = e8m0_to_f32(ws)
-            part = mma(q.to(x_t.dtype), x_t, tl.zeros((BLOCK_N, BLOCK_M), tl.float32), F32_DOT)
-            acc_t += part * ws[:, None]
+            part = tl.zeros((BLOCK_N, BLOCK_M), tl.float32)
+            if NATIVE_FP8:
+                part = mma(q, x_t, part, F32_DOT)
+                xs = tl.load(xs_ptr + offs_m * stride_xsm + (step * BLOCK_K) // 128,
+                             mask=mask_m, other=0.0)  # fmt: skip
+                acc_t += part * ws[:, None] * xs[None, :]
+            else:
+                part = mma(q.to(x_t.dtype), x_t, part, F32_DOT)
+                acc_t += part * ws[:, None]
         y = y_ptr + pid_k * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
         tl.store(y, acc_t.to(y_ptr.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
         return

@@ -98,14 +98,18 @@ def test_fp8_linear_split_k_and_small_tiles(split_k):
 
 @pytest.mark.parametrize("m,block_m,split_k", [(3, 16, 1), (40, 32, 2)])
 @pytest.mark.parametrize("scale_dtype", [torch.float32, torch.uint8])
-def test_fp8_linear_swap_ab(m, block_m, split_k, scale_dtype):
+@pytest.mark.parametrize("native", [False, True])
+def test_fp8_linear_swap_ab(m, block_m, split_k, scale_dtype, native):
     # weights as the MMA's row side: N = 200 leaves a partial row tile, M = 40 a partial
     # token tile, K = 320 a partial last step and a split with fewer steps
     x, q, s = _case(m, 200, 320, scale_dtype, seed=m)
     cfg = dict(KERNEL="dot", BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=64, SPLIT_K=split_k,
                SWAP_AB=True, num_warps=4, num_stages=2)  # fmt: skip
-    y = fp8_block_linear(x, q, s, config=cfg)
-    assert rel_err(y, fp8_block_linear_reference(x, q, s)) < 1e-2
+    y = fp8_block_linear(x, q, s, native_fp8=native, config=cfg)
+    if native:  # the same quantized activations through the A @ W^T tile
+        plain = dict(cfg, SWAP_AB=False)
+        assert rel_err(y, fp8_block_linear(x, q, s, native_fp8=True, config=plain)) < 1e-3
+    assert rel_err(y, fp8_block_linear_reference(x, q, s)) < (6e-2 if native else 1e-2)
 
 
 def test_fp8_linear_native_path_matches_quantized_reference():
@@ -133,11 +137,10 @@ def test_fp8_linear_gpu_sizes(m, native):
     x, q, s = _case(m, 4096, 7168, torch.float32, seed=m)
     y = fp8_block_linear(x, q, s, native_fp8=native)
     assert rel_err(y, fp8_block_linear_reference(x, q, s)) < (6e-2 if native else 1e-2)
-    if not native:
-        swap = dict(KERNEL="dot", BLOCK_M=min(128, max(16, m)), BLOCK_N=64, BLOCK_K=128,
-                    SPLIT_K=1, SWAP_AB=True, num_warps=4, num_stages=3)  # fmt: skip
-        y = fp8_block_linear(x, q, s, config=swap)
-        assert rel_err(y, fp8_block_linear_reference(x, q, s)) < 1e-2
+    swap = dict(KERNEL="dot", BLOCK_M=min(128, max(16, m)), BLOCK_N=64, BLOCK_K=128,
+                SPLIT_K=1, SWAP_AB=True, num_warps=4, num_stages=3)  # fmt: skip
+    y = fp8_block_linear(x, q, s, native_fp8=native, config=swap)
+    assert rel_err(y, fp8_block_linear_reference(x, q, s)) < (6e-2 if native else 1e-2)
 
 
 @pytest.mark.gpu
