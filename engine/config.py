@@ -16,6 +16,14 @@ _DTYPES = {
 }
 
 
+# From 64 tokens per step the bf16 decode of FP8 weights into the MMA is compute-bound;
+# native FP8 took Moonlight FP8 + MXFP4 decode on the H200 from 19,065 to 20,395 tok/s at
+# batch 256 and 12,239 to 12,756 at batch 128 (data/benchmarks, session 4), with logits
+# within 6e-2 of the float32 path (tests/engine/test_gpu_engine.py). Below 64 the decode
+# path is as fast and exact against the bf16 activations.
+FP8_NATIVE_MIN_TOKENS = 64
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -38,7 +46,7 @@ class EngineConfig:
     # DeepSeek's own inference does everywhere) and multiply FP8 x FP8. None: never; the
     # activations stay bf16 and the weights are decoded to bf16 (exact against them). A
     # decode step replayed from a CUDA graph counts its bucket's padded batch.
-    fp8_native_min_tokens: int | None = None
+    fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from engine.config import EngineConfig
+from engine.config import FP8_NATIVE_MIN_TOKENS, EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import Request, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -26,7 +26,8 @@ class LLM:
     `async_scheduling` launches each decode step before the previous one's tokens are
     read, hiding the host's work behind the GPU's (default: on where decode steps replay
     CUDA graphs). `fp8_native_min_tokens` N lets dense FP8 linears of steps of >= N tokens
-    quantize activations to FP8 on GPUs that multiply FP8 natively (default: never).
+    quantize activations to FP8 on GPUs that multiply FP8 natively (default 64; None:
+    never).
     """
 
     def __init__(
@@ -43,7 +44,7 @@ class LLM:
         record_routing: bool = False,
         speculative_tokens: int = 0,
         async_scheduling: bool | None = None,
-        fp8_native_min_tokens: int | None = None,
+        fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS,
     ) -> None:
         self.config = EngineConfig(
             model=str(model),

@@ -38,6 +38,7 @@ import click
 import torch
 
 from batchgen.bench.common import write_result
+from engine.config import FP8_NATIVE_MIN_TOKENS
 
 WEIGHTS = {"bf16": ("bf16", "bf16"), "fp8-mxfp4": ("fp8", "mxfp4")}
 ENGINE_BATCHES = (1, 8, 32, 128, 256)
@@ -286,7 +287,7 @@ def bench_engine(
     new_tokens: int,
     copy_bps: float,
     profile_step: bool,
-    fp8_native_min_tokens: int | None = None,
+    fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS,
 ) -> tuple[list[dict], dict]:
     from engine.llm import LLM
 
@@ -459,7 +460,7 @@ def run(
     new_tokens: int,
     workdir: Path,
     name: str,
-    fp8_native_min_tokens: int | None = None,
+    fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS,
 ) -> dict:
     from batchgen.bench.kernels import copy_bandwidth
 
@@ -532,8 +533,8 @@ def _ints(text: str) -> tuple[int, ...]:
     help="Where the random checkpoints are written.",
 )
 @click.option("--name", default="decode-h200-moonlight", show_default=True, help="JSON name.")
-@click.option("--fp8-native-min-tokens", type=int, default=None,
-              help="Dense FP8 linears multiply in FP8 from this many tokens (default: never).")  # fmt: skip
+@click.option("--fp8-native-min-tokens", type=int, default=FP8_NATIVE_MIN_TOKENS, show_default=True,
+              help="Dense FP8 linears multiply in FP8 from this many tokens (0: never).")  # fmt: skip
 def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens, workdir, name,
             fp8_native_min_tokens):  # fmt: skip
     """Decode tok/s of a DeepSeek-V3-family MoE on the GPU vs transformers and the roofline."""
@@ -542,7 +543,7 @@ def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens
     if unknown:
         raise click.BadParameter(f"unknown weights {unknown}; choose from {sorted(WEIGHTS)}")
     run(preset, layers, chosen, _ints(batches), _ints(hf_batches), prompt_len, new_tokens,
-        workdir, name, fp8_native_min_tokens)  # fmt: skip
+        workdir, name, fp8_native_min_tokens or None)  # fmt: skip
 
 
 if __name__ == "__main__":

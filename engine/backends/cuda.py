@@ -380,7 +380,7 @@ def prepare_model(
     only where the GPU has FP8 tensor cores)."""
     native = fp8_native_min_tokens if _has_fp8_tensor_cores() else None
     if fp8_native_min_tokens is not None and native is None:
-        log.warning("fp8_native_min_tokens ignored: this GPU has no FP8 tensor cores")
+        log.info("no FP8 tensor cores: dense FP8 linears decode their weights to bf16 always")
     fused = 0
     for module in model.modules():
         if isinstance(module, Linear) and isinstance(module.format, Fp8BlockFormat):

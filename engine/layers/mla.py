@@ -22,6 +22,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention_context import AttentionContext
@@ -33,6 +34,9 @@ from engine.quant.base import QuantConfig
 # DeepSeek's and transformers' MLA norms use the RMSNorm default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
 MODES = ("auto", "absorbed", "expanded")
+# Float32 keys and values one batched expanded-form call may hold (its group's padded
+# contexts; Moonlight: ~18K tokens, V3 with 128 heads: ~2K).
+EXPANDED_GROUP_BYTES = 512 << 20
 
 
 @dataclass(frozen=True)
@@ -77,25 +81,33 @@ def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> to
     return block_table[..., pos // block_size].long() * block_size + pos % block_size
 
 
-def attend_expanded(
+def attend_expanded_batched(
     q_nope: torch.Tensor,
     q_rope: torch.Tensor,
-    latent: torch.Tensor,
-    k_rope: torch.Tensor,
     q_pos: torch.Tensor,
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    context_lens: torch.Tensor,
     kv_b_weight: torch.Tensor,
     dims: MlaDims,
     scale: float,
 ) -> torch.Tensor:
-    """One sequence. q_nope [Q, H, N], q_rope [Q, H, P], latent [L, R], k_rope [L, P],
-    q_pos [Q] absolute positions, kv_b_weight [H, N+V, R] -> out [Q, H, V] float32."""
-    N = dims.qk_nope_head_dim
-    kv = torch.einsum("lr,hkr->lhk", latent, kv_b_weight)  # [L, H, N+V]
-    k_nope, v = kv[..., :N], kv[..., N:]
-    scores = torch.einsum("qhn,lhn->hql", q_nope, k_nope)
-    scores = scores + torch.einsum("qhp,lp->hql", q_rope, k_rope)  # [H, Q, L]
-    probs = _causal_softmax(scores * scale, q_pos, latent.shape[0])
-    return torch.einsum("hql,lhv->qhv", probs, v)
+    """B sequences in the expanded form, queries padded as in attend_absorbed_batched:
+    q_nope [B, Q, H, N], q_rope [B, Q, H, P], q_pos [B, Q], block_tables [B, blocks],
+    context_lens [B] -> out [B, Q, H, V] float32. One batched expansion and one fused
+    attention call for the whole group (a prefill of 128 prompts used to take ~12 small
+    launches per prompt per layer, and its wall time was the host's)."""
+    N, R = dims.qk_nope_head_dim, dims.kv_lora_rank
+    H = q_nope.shape[2]
+    entries = _context_entries(cache, block_tables, int(context_lens.max()))  # [B, L, R+P]
+    latent, k_rope = entries[..., :R], entries[..., R:]
+    kv = torch.einsum("blr,hkr->bhlk", latent, kv_b_weight)  # [B, H, L, N+V]
+    k = torch.cat((kv[..., :N], k_rope[:, None].expand(-1, H, -1, -1)), dim=-1)
+    q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)  # [B, H, Q, N+P]
+    keys = torch.arange(entries.shape[1], device=cache.device)
+    visible = keys[None, None, :] <= q_pos[:, :, None]  # [B, Q, L]; past the end is future
+    out = F.scaled_dot_product_attention(q, k, kv[..., N:], attn_mask=visible[:, None], scale=scale)
+    return out.transpose(1, 2)
 
 
 def attend_absorbed_batched(
@@ -114,10 +126,8 @@ def attend_absorbed_batched(
     positions (padding rows: any valid position, their output is discarded),
     block_tables [B, blocks], context_lens [B] -> out [B, Q, H, V] float32."""
     N, R = dims.qk_nope_head_dim, dims.kv_lora_rank
-    block_size = cache.shape[1]
     lmax = int(context_lens.max())
-    flat = cache.view(-1, cache.shape[-1])
-    entries = flat[context_slots(block_tables, lmax, block_size)].float()  # [B, L, R+P]
+    entries = _context_entries(cache, block_tables, lmax)  # [B, L, R+P]
     latent, k_rope = entries[..., :R], entries[..., R:]
     q_lat = torch.einsum("bqhn,hnr->bqhr", q_nope, kv_b_weight[:, :N])
     scores = torch.einsum("bqhr,blr->bhql", q_lat, latent)
@@ -129,10 +139,26 @@ def attend_absorbed_batched(
     return torch.einsum("bqhr,hvr->bqhv", o_lat, kv_b_weight[:, N:])
 
 
-def _causal_softmax(scores: torch.Tensor, q_pos: torch.Tensor, length: int) -> torch.Tensor:
-    keys = torch.arange(length, device=scores.device)
-    future = keys[None, :] > q_pos[:, None]  # [Q, L]
-    return scores.masked_fill(future[None], float("-inf")).softmax(dim=-1)
+def _context_entries(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
+    """[c | k_rope] of tokens 0..length-1 of each sequence as float32 [B, length, R+P]."""
+    flat = cache.view(-1, cache.shape[-1])
+    return flat[context_slots(block_tables, length, cache.shape[1])].float()
+
+
+def expanded_groups(seqs: list[int], context_lens: list[int], max_tokens: int) -> list[list[int]]:
+    """Sequences for attend_expanded_batched, shortest first, grouped so that a group's
+    padded context (count x its longest) stays within max_tokens and its longest is at most
+    1.5x its shortest (padding is computed too). A sequence longer than max_tokens forms
+    its own group."""
+    groups: list[list[int]] = []
+    for b in sorted(seqs, key=lambda b: context_lens[b]):
+        g = groups[-1] if groups else None
+        fits = g is not None and (len(g) + 1) * context_lens[b] <= max_tokens
+        if fits and 2 * context_lens[b] <= 3 * context_lens[g[0]]:
+            g.append(b)
+        else:
+            groups.append([b])
+    return groups
 
 
 class MultiLatentAttention(nn.Module):
@@ -205,7 +231,8 @@ class MultiLatentAttention(nn.Module):
 
     def _attend(self, q_nope, q_rope, positions, ctx: AttentionContext) -> torch.Tensor:
         """Sequences that take the absorbed form run batched (padded to the longest query
-        chunk among them); the rest run one by one in the expanded form."""
+        chunk among them); the rest run in the expanded form, batched in groups of similar
+        context length (expanded_groups)."""
         d = self.dims
         w = self.kv_b_weight().float()
         out = q_nope.new_empty(q_nope.shape[0], d.num_heads, d.v_head_dim)
@@ -217,38 +244,24 @@ class MultiLatentAttention(nn.Module):
                 return self.mode == "expanded"
             return d.prefer_expanded(q_lens[b], c_lens[b])
 
+        def run(attend, seqs: list[int]) -> None:
+            qmax = max(q_lens[b] for b in seqs)
+            # row index of each (sequence, query) pair; padding repeats the last real row
+            index = [[starts[b] + min(i, q_lens[b] - 1) for i in range(qmax)] for b in seqs]
+            rows = torch.tensor(index, device=q_nope.device)  # [B', Q]
+            on = torch.tensor(seqs, device=q_nope.device)
+            o = attend(q_nope[rows], q_rope[rows], positions[rows], self.kv_cache,
+                       ctx.block_tables[on], ctx.context_lens[on].long(), w, d,
+                       self.scale)  # fmt: skip
+            for j, b in enumerate(seqs):
+                out[starts[b] : starts[b + 1]] = o[j, : q_lens[b]]
+
         absorbed = [b for b in range(ctx.num_seqs) if not expanded(b)]
         if absorbed:
-            qmax = max(q_lens[b] for b in absorbed)
-            # row index of each (sequence, query) pair; padding repeats the last real row
-            index = [[starts[b] + min(i, q_lens[b] - 1) for i in range(qmax)] for b in absorbed]
-            rows = torch.tensor(index, device=q_nope.device)  # [B', Q]
-            seqs = torch.tensor(absorbed, device=q_nope.device)
-            o = attend_absorbed_batched(
-                q_nope[rows],
-                q_rope[rows],
-                positions[rows],
-                self.kv_cache,
-                ctx.block_tables[seqs],
-                ctx.context_lens[seqs].long(),
-                w,
-                d,
-                self.scale,
-            )  # [B', Q, H, V]
-            for j, b in enumerate(absorbed):
-                out[starts[b] : starts[b + 1]] = o[j, : q_lens[b]]
-        flat = self.kv_cache.view(-1, d.cache_width)
-        for b in sorted(set(range(ctx.num_seqs)) - set(absorbed)):
-            s, e = starts[b], starts[b + 1]
-            entries = flat[context_slots(ctx.block_tables[b], c_lens[b], ctx.block_size)].float()
-            out[s:e] = attend_expanded(
-                q_nope[s:e],
-                q_rope[s:e],
-                entries[:, : d.kv_lora_rank],
-                entries[:, d.kv_lora_rank :],
-                positions[s:e],
-                w,
-                d,
-                self.scale,
-            )
+            run(attend_absorbed_batched, absorbed)
+        rest = [b for b in range(ctx.num_seqs) if expanded(b)]
+        # float32 keys and values of every context token: ~4 (2N+P+V) H bytes each
+        per_token = 4 * d.num_heads * (2 * d.qk_nope_head_dim + d.qk_rope_head_dim + d.v_head_dim)
+        for group in expanded_groups(rest, c_lens, max(1, EXPANDED_GROUP_BYTES // per_token)):
+            run(attend_expanded_batched, group)
         return out

@@ -122,24 +122,29 @@ def act_quant_kernel(
     x_ptr,  # [M, K] bf16
     q_ptr,  # [M, K] E4M3
     s_ptr,  # [M, ceil(K/128)] float32
+    M,
     K,
     stride_xm,
     stride_qm,
     stride_sm,
+    BLOCK_ROWS: tl.constexpr,
     BLOCK: tl.constexpr,
 ):
-    """One program per (row, 128-block): s = amax / 448, q = x / s."""
-    row = tl.program_id(0)
+    """One program per (BLOCK_ROWS rows, 128-block): s = amax / 448, q = x / s per row. Rows
+    are batched because one program per (row, block) made ~4 us launches of 4096 tiny
+    programs at 256 rows (H200, batch-256 decode: 623 us per step over 135 calls)."""
+    rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     kb = tl.program_id(1)
     offs = kb * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < K
-    x = tl.load(x_ptr + row * stride_xm + offs, mask=mask, other=0.0).to(tl.float32)
-    amax = tl.maximum(tl.max(tl.abs(x), axis=0), 1e-12)
+    mask = (rows[:, None] < M) & (offs[None, :] < K)
+    x = tl.load(x_ptr + rows[:, None] * stride_xm + offs[None, :], mask=mask, other=0.0)
+    x = x.to(tl.float32)
+    amax = tl.maximum(tl.max(tl.abs(x), axis=1), 1e-12)
     s = amax / 448.0
-    q = x / s
+    q = x / s[:, None]
     q = f32_to_e4m3_bits(q).to(tl.float8e4nv, bitcast=True)
-    tl.store(q_ptr + row * stride_qm + offs, q, mask=mask)
-    tl.store(s_ptr + row * stride_sm + kb, s)
+    tl.store(q_ptr + rows[:, None] * stride_qm + offs[None, :], q, mask=mask)
+    tl.store(s_ptr + rows * stride_sm + kb, s, mask=rows < M)
 
 
 @triton.jit

@@ -136,7 +136,10 @@ def act_quant(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     q = torch.empty((m, k), dtype=torch.float8_e4m3fn, device=x.device)
     s = torch.empty((m, nkb), dtype=torch.float32, device=x.device)
     if m:
-        act_quant_kernel[(m, nkb)](x, q, s, k, x.stride(0), q.stride(0), s.stride(0), BLOCK=128)
+        rows = min(16, next_pow2(m))
+        act_quant_kernel[(triton.cdiv(m, rows), nkb)](
+            x, q, s, m, k, x.stride(0), q.stride(0), s.stride(0), BLOCK_ROWS=rows, BLOCK=128
+        )
     return q, s
 
 

@@ -1,0 +1,74 @@
+"""MLA's two batched attention forms on the same paged cache: sequences of different
+lengths, chunked prefill (queries after a cached prefix), padded query rows."""
+
+import torch
+
+from engine.layers.mla import (
+    MlaDims,
+    attend_absorbed_batched,
+    attend_expanded_batched,
+    expanded_groups,
+)
+
+DIMS = MlaDims(hidden_size=32, num_heads=3, q_lora_rank=None, kv_lora_rank=16,
+               qk_nope_head_dim=8, qk_rope_head_dim=4, v_head_dim=6)  # fmt: skip
+BLOCK = 4
+
+
+def _paged_case(context_lens: list[int], query_lens: list[int], seed: int):
+    g = torch.Generator().manual_seed(seed)
+    d = DIMS
+    blocks_per_seq = max(-(-c // BLOCK) for c in context_lens)
+    cache = torch.randn(len(context_lens) * blocks_per_seq + 3, BLOCK, d.cache_width, generator=g)
+    # each sequence's blocks scattered over the cache (not in order)
+    perm = torch.randperm(cache.shape[0], generator=g)[: len(context_lens) * blocks_per_seq]
+    tables = perm.view(len(context_lens), blocks_per_seq).int()
+    qmax = max(query_lens)
+    q_nope = torch.randn(len(context_lens), qmax, d.num_heads, d.qk_nope_head_dim, generator=g)
+    q_rope = torch.randn(len(context_lens), qmax, d.num_heads, d.qk_rope_head_dim, generator=g)
+    # the queries are each sequence's last query_len tokens; padding repeats the last one
+    q_pos = torch.tensor([[c - q + min(i, q - 1) for i in range(qmax)]
+                          for c, q in zip(context_lens, query_lens)])  # fmt: skip
+    w = torch.randn(d.num_heads, d.qk_nope_head_dim + d.v_head_dim, d.kv_lora_rank, generator=g)
+    return q_nope, q_rope, q_pos, cache, tables, torch.tensor(context_lens), w
+
+
+def _one_sequence_reference(q_nope, q_rope, q_pos, entries, w, scale):
+    """Textbook attention for one sequence, keys and values expanded through kv_b."""
+    d = DIMS
+    latent, k_rope = entries[:, : d.kv_lora_rank], entries[:, d.kv_lora_rank :]
+    kv = torch.einsum("lr,hkr->lhk", latent, w)
+    k_nope, v = kv[..., : d.qk_nope_head_dim], kv[..., d.qk_nope_head_dim :]
+    scores = torch.einsum("qhn,lhn->hql", q_nope, k_nope)
+    scores = (scores + torch.einsum("qhp,lp->hql", q_rope, k_rope)) * scale
+    future = torch.arange(entries.shape[0])[None, :] > q_pos[:, None]
+    probs = scores.masked_fill(future[None], float("-inf")).softmax(-1)
+    return torch.einsum("hql,lhv->qhv", probs, v)
+
+
+def test_expanded_and_absorbed_forms_agree_with_a_per_sequence_reference():
+    context_lens, query_lens = [9, 4, 13], [9, 2, 5]  # a prefill, a decode-ish chunk, a chunk
+    case = _paged_case(context_lens, query_lens, seed=3)
+    q_nope, q_rope, q_pos, cache, tables, lens, w = case
+    scale = 0.3
+    expanded = attend_expanded_batched(q_nope, q_rope, q_pos, cache, tables, lens, w, DIMS, scale)
+    absorbed = attend_absorbed_batched(q_nope, q_rope, q_pos, cache, tables, lens, w, DIMS, scale)
+    flat = cache.view(-1, DIMS.cache_width)
+    for b, (c, q) in enumerate(zip(context_lens, query_lens)):
+        slots = tables[b, torch.arange(c) // BLOCK].long() * BLOCK + torch.arange(c) % BLOCK
+        ref = _one_sequence_reference(q_nope[b, :q], q_rope[b, :q], q_pos[b, :q], flat[slots],
+                                      w, scale)  # fmt: skip
+        torch.testing.assert_close(expanded[b, :q], ref, rtol=1e-5, atol=1e-5)
+        torch.testing.assert_close(absorbed[b, :q], ref, rtol=1e-5, atol=1e-5)
+
+
+def test_expanded_groups_bound_padding_and_size():
+    lens = [100, 7, 120, 8, 64, 130, 9, 1000]
+    groups = expanded_groups(list(range(len(lens))), lens, max_tokens=400)
+    assert sorted(b for g in groups for b in g) == list(range(len(lens)))
+    for g in groups:
+        longest, shortest = max(lens[b] for b in g), min(lens[b] for b in g)
+        assert len(g) == 1 or (len(g) * longest <= 400 and 2 * longest <= 3 * shortest)
+    assert [1, 3, 6] in groups  # 7, 8 and 9 tokens share a call
+    assert [7] in groups  # longer than the budget: alone
+    assert expanded_groups([], lens, 400) == []
