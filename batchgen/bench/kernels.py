@@ -57,11 +57,12 @@ MOE_CASES = [
 ]
 LINEAR_SHAPES = [(18432, 7168), (7168, 18432), (32768, 4096), (4096, 32768)]  # (N, K)
 LINEAR_TOKENS = (1, 8, 64, 512)
-# The engine's FP8 linears on Moonlight (hidden 2048): q_proj, kv_a, o_proj, the dense MLP's
-# gate+up and down, and the shared expert's gate or up and down (a plain MLP above
-# SHARED_FUSED_MAX_TOKENS). Native FP8 rows only with --linear-native.
-ENGINE_LINEAR_SHAPES = [(3072, 2048), (576, 2048), (2048, 2048), (22528, 2048), (2048, 11264),
-                        (2816, 2048), (2048, 2816)]  # fmt: skip
+# The engine's FP8 linears on Moonlight (hidden 2048): q_proj and kv_a (3648 = the two
+# stacked, as decode steps on CUDA run them; 3072 and 576 alone in prefill), o_proj, the
+# dense MLP's gate+up and down, and the shared expert's gate or up and down (a plain MLP
+# above SHARED_FUSED_MAX_TOKENS). Native FP8 rows only with --linear-native.
+ENGINE_LINEAR_SHAPES = [(3648, 2048), (3072, 2048), (576, 2048), (2048, 2048), (22528, 2048),
+                        (2048, 11264), (2816, 2048), (2048, 2816)]  # fmt: skip
 ENGINE_LINEAR_TOKENS = (1, 2, 4, 8, 64)
 # Calls are timed as a chain over copies of the weight that together exceed the 50 MB L2
 # (as in a decode step, where each layer's weights come from HBM), in one CUDA graph (as

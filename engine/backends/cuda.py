@@ -34,6 +34,7 @@ from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+from torch import nn
 
 from engine.layers.attention_context import AttentionContext
 from engine.layers.deepseek_router import RouterSpec, select_experts
@@ -42,6 +43,7 @@ from engine.layers.mla import MultiLatentAttention, context_slots
 from engine.layers.moe import DeepseekMoE, RoutedExperts, routed_experts_forward
 from engine.models.base import CausalLM
 from engine.quant.fp8_block import Fp8BlockFormat
+from engine.quant.unquantized import Unquantized
 
 log = logging.getLogger(__name__)
 
@@ -281,20 +283,63 @@ class MlaCudaState:
     w_uv_t: torch.Tensor  # [H, R, V] kv_b's value half, transposed, for o = o_lat W_uv^T
     cos: torch.Tensor  # [max_model_len, P/2] float32 (YaRN attention factor included)
     sin: torch.Tensor
+    # q_proj (or q_a_proj) and kv_a_proj_with_mqa stacked into one linear: they read the
+    # same x, so a decode step launches one GEMV (and one activation quantization) for
+    # both. None where stack_linears cannot stack them.
+    q_kv_a: Linear | None = None
 
 
-def prepare_mla(attn: MultiLatentAttention, dtype: torch.dtype, max_len: int) -> MlaCudaState:
+def prepare_mla(
+    attn: MultiLatentAttention, dtype: torch.dtype, max_len: int, native_min: int | None
+) -> MlaCudaState:
     d = attn.dims
     N = d.qk_nope_head_dim
     w = attn.kv_b_weight().float()  # [H, N+V, R]
     device = attn.kv_a_layernorm.weight.device
     cos, sin = attn.rotary.cos_sin(torch.arange(max_len, device=device))
+    q_in = attn.q_a_proj if d.q_lora_rank else attn.q_proj
+    q_kv_a = stack_linears(q_in, attn.kv_a_proj_with_mqa)
+    if q_kv_a is not None and isinstance(q_kv_a.format, Fp8BlockFormat):
+        q_kv_a.cuda_native_min_tokens = native_min
     return MlaCudaState(
         w_uk=w[:, :N].to(dtype).contiguous(),
         w_uv_t=w[:, N:].transpose(1, 2).to(dtype).contiguous(),
         cos=cos.float().contiguous(),
         sin=sin.float().contiguous(),
+        q_kv_a=q_kv_a,
     )
+
+
+def stack_linears(first: Linear, second: Linear) -> Linear | None:
+    """One Linear computing [first(x) | second(x)], for two linears of the same input, or
+    None: bias, formats other than plain or FP8 block weights, formats that differ, or a
+    first whose rows end inside a 128-row FP8 scale block. Afterwards both layers' tensors
+    are views of the stacked ones, so the weights are not held twice."""
+    fmt = first.format
+    if first.bias is not None or second.bias is not None or first.in_features != second.in_features:
+        return None
+    if type(fmt) is not type(second.format) or not isinstance(fmt, (Unquantized, Fp8BlockFormat)):
+        return None
+    names = ["weight"]
+    if isinstance(fmt, Fp8BlockFormat):
+        if fmt.scale_name != second.format.scale_name or first.out_features % 128:
+            return None
+        names.append(fmt.scale_name)
+    if any(getattr(first, n).dtype != getattr(second, n).dtype for n in names):
+        return None
+    stacked = Linear.__new__(Linear)
+    nn.Module.__init__(stacked)
+    stacked.in_features = first.in_features
+    stacked.out_features = first.out_features + second.out_features
+    stacked.prefix = f"{first.prefix}+{second.prefix}"
+    stacked.format, stacked.bias = fmt, None
+    for name in names:
+        a, b = getattr(first, name), getattr(second, name)
+        both = torch.cat((a.detach(), b.detach()))
+        setattr(stacked, name, nn.Parameter(both, requires_grad=False))
+        setattr(first, name, nn.Parameter(both[: a.shape[0]], requires_grad=False))
+        setattr(second, name, nn.Parameter(both[a.shape[0] :], requires_grad=False))
+    return stacked
 
 
 def mla_decode_forward(
@@ -307,12 +352,15 @@ def mla_decode_forward(
     state: MlaCudaState = attn.cuda_state
     d = attn.dims
     T, H, N, P, R = x.shape[0], d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.kv_lora_rank
-    if d.q_lora_rank:
-        q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x)))
+    q_in = attn.q_a_proj if d.q_lora_rank else attn.q_proj
+    if state.q_kv_a is not None:
+        both = state.q_kv_a(x)  # [T, q_in's rows + R + P]
+        q, kv = both[:, : q_in.out_features], both[:, q_in.out_features :]
     else:
-        q = attn.q_proj(x)
+        q, kv = q_in(x), attn.kv_a_proj_with_mqa(x)  # kv [T, R+P]
+    if d.q_lora_rank:
+        q = attn.q_b_proj(attn.q_a_layernorm(q))
     q = q.view(T, H, N + P)
-    kv = attn.kv_a_proj_with_mqa(x)  # [T, R+P]
     cache = attn.kv_cache
     norm = attn.kv_a_layernorm
     # One launch: rope on q's rope slices (in place), and the entry [norm(c) | rope(k_rot)]
@@ -391,7 +439,7 @@ def prepare_model(
         elif isinstance(module, DeepseekMoE) and module.shared_experts is not None:
             module.cuda_shared = stack_shared_expert(module.shared_experts)
         elif isinstance(module, MultiLatentAttention):
-            module.cuda_state = prepare_mla(module, dtype, max_model_len)
+            module.cuda_state = prepare_mla(module, dtype, max_model_len, native)
     if fused:
         log.info("CUDA backend: %d MoE layers on the fused kernel", fused)
 

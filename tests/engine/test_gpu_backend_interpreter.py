@@ -97,6 +97,7 @@ def test_mla_decode_path_matches_the_torch_path(tiny_model):
     ctx, positions = runner.context([(0, 1), (1, 1)])
     attn = tiny_model.model.layers[1].self_attn
     assert isinstance(attn, MultiLatentAttention)
+    assert attn.cuda_state.q_kv_a is not None  # q_a_proj and kv_a in one linear
     x = torch.randn(2, attn.dims.hidden_size, generator=gen).bfloat16()
     cache = attn.kv_cache.clone()
     want = attn(x, positions, ctx).float()
@@ -157,3 +158,35 @@ def test_fp8_linears_multiply_in_fp8_from_the_configured_token_count(tmp_path):
         # (the two paths differ: the quantized activations change the result's low bits)
         other = fp8_block_linear(x, layer.weight, scale, native_fp8=not native)
         assert not torch.equal(got, other)
+
+
+@pytest.mark.parametrize("dense", ["bf16", "fp8"])
+def test_stacked_linears_equal_the_two_and_share_their_storage(dense):
+    from engine.layers.linear import Linear
+    from engine.quant.deepseek_quant_config import DeepseekQuantConfig
+    from engine.quant.fp8_block import Fp8BlockFormat
+
+    quant = DeepseekQuantConfig(dense=dense)
+    dtype = torch.float8_e4m3fn if dense == "fp8" else torch.bfloat16
+    gen = torch.Generator().manual_seed(4)
+
+    def linear(rows: int) -> Linear:
+        layer = Linear(160, rows, False, quant, f"l{rows}", params_dtype=torch.bfloat16)
+        layer.weight.data = torch.randn(rows, 160, generator=gen).to(dtype)
+        if dense == "fp8":
+            scale = getattr(layer, layer.format.scale_name)
+            scale.data = torch.rand(scale.shape, generator=gen) + 0.5
+        return layer
+
+    first, second = linear(256), linear(72)  # the first ends on a 128-row scale block
+    x = torch.randn(3, 160, generator=gen).bfloat16()
+    want = torch.cat((first(x), second(x)), dim=-1)
+    stacked = backend.stack_linears(first, second)
+    assert stacked is not None and stacked.out_features == 328
+    assert torch.equal(stacked(x), want)
+    assert torch.equal(torch.cat((first(x), second(x)), dim=-1), want)  # now views
+    assert first.weight.data_ptr() == stacked.weight.data_ptr()
+    if dense == "fp8":
+        assert isinstance(stacked.format, Fp8BlockFormat)
+        # rows ending inside a scale block would need the block split: not stacked
+        assert backend.stack_linears(linear(200), linear(72)) is None
