@@ -37,17 +37,29 @@ def splits_for_context(context: int, block_t: int = 32) -> int:
     return max(1, math.isqrt(2 * -(-context // block_t)))
 
 
-def choose_num_splits(batch: int, max_context: int, heads: int, device: torch.device) -> int:
-    """Enough (sequence, head-block, split) programs for about two waves of the GPU, and no
-    more splits than the kernel would use for `max_context` (extra ones exit at once)."""
+def choose_num_splits(
+    batch: int, max_context: int, heads: int, device: torch.device, block_t: int = 32
+) -> int:
+    """About one program per SM over (sequence, head-block, split), and no more splits than
+    the kernel would use for `max_context` (extra ones exit at once). Measured on the H200
+    (`batchgen bench mla-decode`, data/benchmarks/mla-decode-h200.json): once sequences x
+    head blocks fill the SMs, one split per sequence is fastest (batch 256, context 192:
+    29 us against 42 us with the two splits of the earlier two-waves rule)."""
     sms = (
         torch.cuda.get_device_properties(device).multi_processor_count
         if device.type == "cuda"
         else 4
     )
     programs = batch * triton.cdiv(heads, 16)
-    want = triton.cdiv(2 * sms, programs)
-    return max(1, min(want, splits_for_context(max_context), MAX_SPLITS))
+    want = round(sms / programs)
+    return max(1, min(want, splits_for_context(max_context, block_t), MAX_SPLITS))
+
+
+def default_num_warps(kvl: int, num_splits: int) -> int:
+    """8 warps for a wide latent split over the sequence; 4 when each program streams a
+    whole sequence (one split: the grid already fills the GPU, and more programs fit per
+    SM). H200, Moonlight batch 256: 29 us at 4 warps, 52 at 8 (mla-decode-h200.json)."""
+    return 8 if kvl >= 256 and num_splits > 1 else 4
 
 
 def mla_decode(
@@ -59,6 +71,8 @@ def mla_decode(
     scale: float,
     num_splits: int,
     block_t: int = 32,
+    num_warps: int | None = None,
+    num_stages: int = 2,
 ) -> torch.Tensor:
     """Returns [B, H, KVL] in q_c's dtype. See the module docstring for the layouts."""
     assert q_c.dim() == 3 and q_rope.dim() == 3, "q_c and q_rope must be [B, H, D]"
@@ -97,6 +111,6 @@ def mla_decode(
         lse.stride(0), lse.stride(1),
         KVL=kvl, R=r, BS=kv_cache.shape[1], NUM_SPLITS=num_splits,
         BLOCK_H=block_h, BLOCK_T=block_t, F32_DOT=interpreting(),
-        num_warps=8 if kvl >= 256 else 4, num_stages=2,
+        num_warps=num_warps or default_num_warps(kvl, num_splits), num_stages=num_stages,
     )  # fmt: skip
     return out

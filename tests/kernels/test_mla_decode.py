@@ -49,12 +49,15 @@ def test_mla_decode_leaves_counters_zero_for_the_next_launch():
 
 def test_splits_for_context_grow_like_a_square_root():
     assert [splits_for_context(n) for n in (1, 32, 200, 4096, 131072)] == [1, 1, 3, 16, 90]
-    assert choose_num_splits(1, 200, 16, torch.device("cpu")) == 3
+    cpu = torch.device("cpu")  # 4 "SMs"
+    assert choose_num_splits(1, 200, 16, cpu) == 3
+    assert choose_num_splits(2, 4096, 16, cpu) == 2  # about one program per SM
+    assert choose_num_splits(8, 4096, 16, cpu) == 1  # sequences alone fill the SMs
 
 
 @pytest.mark.gpu
 @gpu_only
-@pytest.mark.parametrize("lens", [[1, 4096, 900, 17], [20000] * 2])
+@pytest.mark.parametrize("lens", [[1, 4096, 900, 17], [20000] * 2, [300] * 40])
 def test_mla_decode_gpu_deepseek_shape(lens):
     args = make_case(lens, heads=128, kvl=512, r=64, bs=64, seed=len(lens))
     splits = choose_num_splits(len(lens), max(lens), 128, args[0].device)
