@@ -177,8 +177,10 @@ def bench_moe(
         nbytes = distinct * per_expert + t * case.d * 2 * 2  # + x read, out written
         cfg = default_config(t * case.top_k, case.e, case.fmt)
         if tune and t <= tune_max_tokens:
-            cands = (_mxfp4_candidates(cfg) if case.fmt == "mxfp4"
-                     else _moe_candidates(cfg, case.fmt))  # fmt: skip
+            if case.fmt == "mxfp4":
+                cands = _mxfp4_candidates(cfg) if t <= 256 else _prefill_candidates(cfg)
+            else:
+                cands = _moe_candidates(cfg, case.fmt)
             cfg = _tune(lambda c, x=x, r=routings: graphed(
                 _moe_calls(fused_moe, x, weights, r, fmt=case.fmt, config=c)), cands)  # fmt: skip
             tuned[shape_key(t, case.top_k, case.e, case.d, case.i, case.fmt)] = cfg
@@ -191,6 +193,8 @@ def bench_moe(
         ref_ms = median_ms(_cycle(ref))
         rows.append(_row("fused_moe", f"{case.name} T={t}", nbytes, ms, ref_ms, copy_bps, cfg))
         rows[-1]["eager_ms"] = eager_ms
+        # gate+up and down: 3 D x I multiply-adds per (token, expert) pair
+        rows[-1]["tflops"] = 6 * case.d * case.i * t * case.top_k / (ms * 1e-3) / 1e12
         print_rows(rows[-1:])
     return rows, tuned
 
@@ -374,6 +378,20 @@ def _mxfp4_candidates(base: dict) -> list[dict]:
     a_wt = dict(base, SWAP_AB=False, BLOCK_N=64, BLOCK_K=128)  # the A @ W^T tile
     out = [base, a_wt, dict(a_wt, BLOCK_N=128, MXFP4_DOT_SCALED=True)]
     return out + _swap_candidates(base, "mxfp4")
+
+
+def _prefill_candidates(base: dict) -> list[dict]:
+    """Prefill-sized MXFP4 launches (hundreds of tokens per expert): every token tile
+    decodes the expert's weights again, so taller token tiles decode them fewer times; the
+    A @ W^T tile stages its decoded weights through shared memory once per tile."""
+    a_wt = dict(base, SWAP_AB=False)
+    out = [base]
+    out += [dict(a_wt, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
+            for bm, bn, w, st in ((64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
+                                  (128, 128, 8, 4), (128, 256, 8, 3))]  # fmt: skip
+    out += [dict(base, BLOCK_M=bm, BLOCK_N=bn, num_warps=w)
+            for bm, bn, w in ((128, 64, 4), (128, 64, 8), (128, 128, 8), (64, 128, 8))]  # fmt: skip
+    return out
 
 
 def _linear_candidates(m: int, base: dict) -> list[dict]:
