@@ -335,10 +335,11 @@ def stack_linears(first: Linear, second: Linear) -> Linear | None:
     stacked.format, stacked.bias = fmt, None
     for name in names:
         a, b = getattr(first, name), getattr(second, name)
-        both = torch.cat((a.detach(), b.detach()))
+        both = torch.cat((a.data, b.data))
         setattr(stacked, name, nn.Parameter(both, requires_grad=False))
-        setattr(first, name, nn.Parameter(both[: a.shape[0]], requires_grad=False))
-        setattr(second, name, nn.Parameter(both[a.shape[0] :], requires_grad=False))
+        # re-pointed in place (as stack_experts does): the Parameter objects stay the same
+        rows = a.shape[0]
+        a.data, b.data = both[:rows], both[rows:]
     return stacked
 
 

@@ -19,6 +19,7 @@ roped shared key k_rope (P values): R + P values per token per layer (576 for V3
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import torch
@@ -91,6 +92,7 @@ def attend_expanded_batched(
     kv_b_weight: torch.Tensor,
     dims: MlaDims,
     scale: float,
+    max_context: int | None = None,
 ) -> torch.Tensor:
     """B sequences in the expanded form, queries padded as in attend_absorbed_batched:
     q_nope [B, Q, H, N], q_rope [B, Q, H, P], q_pos [B, Q], block_tables [B, blocks],
@@ -99,7 +101,8 @@ def attend_expanded_batched(
     launches per prompt per layer, and its wall time was the host's)."""
     N, R = dims.qk_nope_head_dim, dims.kv_lora_rank
     H = q_nope.shape[2]
-    entries = _context_entries(cache, block_tables, int(context_lens.max()))  # [B, L, R+P]
+    lmax = int(context_lens.max()) if max_context is None else max_context
+    entries = _context_entries(cache, block_tables, lmax)  # [B, L, R+P]
     latent, k_rope = entries[..., :R], entries[..., R:]
     kv = torch.einsum("blr,hkr->bhlk", latent, kv_b_weight)  # [B, H, L, N+V]
     k = torch.cat((kv[..., :N], k_rope[:, None].expand(-1, H, -1, -1)), dim=-1)
@@ -120,13 +123,15 @@ def attend_absorbed_batched(
     kv_b_weight: torch.Tensor,
     dims: MlaDims,
     scale: float,
+    max_context: int | None = None,
 ) -> torch.Tensor:
     """B sequences with up to Q queries each (decode: Q = 1; speculative verify: K + 1),
     padded and batched. q_nope [B, Q, H, N], q_rope [B, Q, H, P], q_pos [B, Q] absolute
     positions (padding rows: any valid position, their output is discarded),
-    block_tables [B, blocks], context_lens [B] -> out [B, Q, H, V] float32."""
+    block_tables [B, blocks], context_lens [B] -> out [B, Q, H, V] float32. max_context,
+    the longest of context_lens when the caller knows it on the host, saves a device sync."""
     N, R = dims.qk_nope_head_dim, dims.kv_lora_rank
-    lmax = int(context_lens.max())
+    lmax = int(context_lens.max()) if max_context is None else max_context
     entries = _context_entries(cache, block_tables, lmax)  # [B, L, R+P]
     latent, k_rope = entries[..., :R], entries[..., R:]
     q_lat = torch.einsum("bqhn,hnr->bqhr", q_nope, kv_b_weight[:, :N])
@@ -145,20 +150,38 @@ def _context_entries(cache: torch.Tensor, block_tables: torch.Tensor, length: in
     return flat[context_slots(block_tables, length, cache.shape[1])].float()
 
 
-def expanded_groups(seqs: list[int], context_lens: list[int], max_tokens: int) -> list[list[int]]:
-    """Sequences for attend_expanded_batched, shortest first, grouped so that a group's
-    padded context (count x its longest) stays within max_tokens and its longest is at most
-    1.5x its shortest (padding is computed too). A sequence longer than max_tokens forms
-    its own group."""
+def expanded_groups(
+    seqs: list[int], context_lens: list[int], query_lens: list[int], max_tokens: int
+) -> list[list[int]]:
+    """Sequences for attend_expanded_batched, shortest context first, grouped so that a
+    group's padded contexts (count x its longest) stay within max_tokens, and its longest
+    context and query chunk are at most 1.5x those of the sequence that opened it
+    (padding is computed too). A sequence longer than max_tokens forms its own group."""
+
+    def close(a: int, b: int) -> bool:  # a, b: the newcomer's and the opener's length
+        return 2 * a <= 3 * b and 2 * b <= 3 * a
+
     groups: list[list[int]] = []
     for b in sorted(seqs, key=lambda b: context_lens[b]):
         g = groups[-1] if groups else None
-        fits = g is not None and (len(g) + 1) * context_lens[b] <= max_tokens
-        if fits and 2 * context_lens[b] <= 3 * context_lens[g[0]]:
+        if (
+            g is not None
+            and (len(g) + 1) * context_lens[b] <= max_tokens
+            and close(context_lens[b], context_lens[g[0]])
+            and close(query_lens[b], query_lens[g[0]])
+        ):
             g.append(b)
         else:
             groups.append([b])
     return groups
+
+
+def _to_device(parts: tuple[torch.Tensor, ...], device: torch.device) -> list[torch.Tensor]:
+    """int64 host tensors to `device` in one copy, asynchronous from pinned memory on CUDA."""
+    packed = torch.cat([p.long().flatten() for p in parts])
+    if device.type == "cuda":
+        packed = packed.pin_memory().to(device, non_blocking=True)
+    return list(packed.split([p.numel() for p in parts]))
 
 
 class MultiLatentAttention(nn.Module):
@@ -236,8 +259,8 @@ class MultiLatentAttention(nn.Module):
         d = self.dims
         w = self.kv_b_weight().float()
         out = q_nope.new_empty(q_nope.shape[0], d.num_heads, d.v_head_dim)
-        starts = ctx.cu_query_lens.tolist()
         q_lens, c_lens = ctx.query_lens_host, ctx.context_lens_host
+        starts = [0, *itertools.accumulate(q_lens)]  # the host's copy of cu_query_lens
 
         def expanded(b: int) -> bool:
             if self.mode != "auto":
@@ -245,22 +268,24 @@ class MultiLatentAttention(nn.Module):
             return d.prefer_expanded(q_lens[b], c_lens[b])
 
         def run(attend, seqs: list[int]) -> None:
-            # Index tensors built on the host in a few vectorized ops and moved once: a
+            # The index tensors are built on the host by a few vectorized ops and sent in
+            # one asynchronous copy, and the longest context is passed from the host: a
             # prefill of 128 prompts used to build 16K-entry lists and copy 128 slices back
-            # per layer, which the GPU then waited for.
-            dev = q_nope.device
+            # per layer, and every blocking copy or .max() makes the host wait for the GPU.
             lens = torch.tensor([q_lens[b] for b in seqs])
             steps = torch.arange(int(lens.max()))
             first = torch.tensor([starts[b] for b in seqs])
             # row of each (sequence, query) pair; padding repeats the last real row
             rows = first[:, None] + torch.minimum(steps[None, :], lens[:, None] - 1)  # [B', Q]
             real = steps[None, :] < lens[:, None]
-            on, rows_d = torch.tensor(seqs).to(dev), rows.to(dev)
+            picked = real.flatten().nonzero().squeeze(1)  # the real pairs among the rows
+            parts = (torch.tensor(seqs), rows.flatten(), picked, rows[real])
+            on, rows_d, picked_d, dest = _to_device(parts, q_nope.device)
+            rows_d = rows_d.view(rows.shape)
             o = attend(q_nope[rows_d], q_rope[rows_d], positions[rows_d], self.kv_cache,
-                       ctx.block_tables[on], ctx.context_lens[on].long(), w, d,
-                       self.scale)  # fmt: skip
-            picked = real.flatten().nonzero().squeeze(1).to(dev)
-            out.index_copy_(0, rows[real].to(dev), o.flatten(0, 1).index_select(0, picked))
+                       ctx.block_tables[on], ctx.context_lens[on].long(), w, d, self.scale,
+                       max_context=max(c_lens[b] for b in seqs))  # fmt: skip
+            out.index_copy_(0, dest, o.flatten(0, 1).index_select(0, picked_d))
 
         absorbed = [b for b in range(ctx.num_seqs) if not expanded(b)]
         if absorbed:
@@ -268,6 +293,7 @@ class MultiLatentAttention(nn.Module):
         rest = [b for b in range(ctx.num_seqs) if expanded(b)]
         # float32 keys and values of every context token: ~4 (2N+P+V) H bytes each
         per_token = 4 * d.num_heads * (2 * d.qk_nope_head_dim + d.qk_rope_head_dim + d.v_head_dim)
-        for group in expanded_groups(rest, c_lens, max(1, EXPANDED_GROUP_BYTES // per_token)):
+        budget = max(1, EXPANDED_GROUP_BYTES // per_token)
+        for group in expanded_groups(rest, c_lens, q_lens, budget):
             run(attend_expanded_batched, group)
         return out

@@ -44,7 +44,9 @@ def choose_num_splits(
     the kernel would use for `max_context` (extra ones exit at once). Measured on the H200
     (`batchgen bench mla-decode`, data/benchmarks/mla-decode-h200.json): once sequences x
     head blocks fill the SMs, one split per sequence is fastest (batch 256, context 192:
-    29 us against 42 us with the two splits of the earlier two-waves rule)."""
+    29 us against 42 us with the two splits of the earlier two-waves rule). Rounding
+    accepts some idle SMs (100 programs on 132 SMs get one split each) rather than a
+    merge of partials."""
     sms = (
         torch.cuda.get_device_properties(device).multi_processor_count
         if device.type == "cuda"

@@ -178,14 +178,22 @@ def test_stacked_linears_equal_the_two_and_share_their_storage(dense):
             scale.data = torch.rand(scale.shape, generator=gen) + 0.5
         return layer
 
-    first, second = linear(256), linear(72)  # the first ends on a 128-row scale block
+    # FP8: the first ends on a 128-row scale block; bf16 has no blocks (any row count)
+    first, second = linear(256 if dense == "fp8" else 100), linear(72)
+    weights = (first.weight, second.weight)
     x = torch.randn(3, 160, generator=gen).bfloat16()
     want = torch.cat((first(x), second(x)), dim=-1)
     stacked = backend.stack_linears(first, second)
-    assert stacked is not None and stacked.out_features == 328
+    assert stacked is not None and stacked.out_features == first.out_features + 72
     assert torch.equal(stacked(x), want)
     assert torch.equal(torch.cat((first(x), second(x)), dim=-1), want)  # now views
-    assert first.weight.data_ptr() == stacked.weight.data_ptr()
+    assert first.weight is weights[0] and second.weight is weights[1]  # same Parameters
+    names = ["weight"] + ([first.format.scale_name] if dense == "fp8" else [])
+    for name in names:  # every tensor of both is a view of the stacked one
+        base = getattr(stacked, name)
+        assert getattr(first, name).data_ptr() == base.data_ptr()
+        offset = getattr(first, name).numel() * base.element_size()
+        assert getattr(second, name).data_ptr() == base.data_ptr() + offset
     if dense == "fp8":
         assert isinstance(stacked.format, Fp8BlockFormat)
         # rows ending inside a scale block would need the block split: not stacked

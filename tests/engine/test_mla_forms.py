@@ -64,11 +64,45 @@ def test_expanded_and_absorbed_forms_agree_with_a_per_sequence_reference():
 
 def test_expanded_groups_bound_padding_and_size():
     lens = [100, 7, 120, 8, 64, 130, 9, 1000]
-    groups = expanded_groups(list(range(len(lens))), lens, max_tokens=400)
+    fresh = list(lens)  # prefills: the query chunk is the whole context
+    groups = expanded_groups(list(range(len(lens))), lens, fresh, max_tokens=400)
     assert sorted(b for g in groups for b in g) == list(range(len(lens)))
     for g in groups:
         longest, shortest = max(lens[b] for b in g), min(lens[b] for b in g)
         assert len(g) == 1 or (len(g) * longest <= 400 and 2 * longest <= 3 * shortest)
     assert [1, 3, 6] in groups  # 7, 8 and 9 tokens share a call
     assert [7] in groups  # longer than the budget: alone
-    assert expanded_groups([], lens, 400) == []
+    assert expanded_groups([], lens, fresh, 400) == []
+    # same contexts, but one is a short chunk after a cached prefix: its queries would be
+    # padded to the others' 100+, so it goes alone
+    chunked = [100, 7, 120, 8, 64, 10, 9, 1000]
+    groups = expanded_groups(list(range(len(lens))), lens, chunked, max_tokens=400)
+    assert [5] in groups and [0, 2] in groups
+
+
+def test_mla_layer_groups_scatter_back_to_the_right_rows(monkeypatch):
+    # A step mixing a decode row, a chunk after a prefix and fresh prompts, with a budget
+    # so small that every expanded sequence runs in its own group, and one that batches
+    # them: both must equal the all-absorbed layer output row for row.
+    import engine.layers.mla as mla
+    from tests.engine.deepseek_helpers import PagedRunner, engine_model_from_hf, hf_model
+
+    model = engine_model_from_hf(hf_model(seed=5, q_lora_rank=None))
+    runner = PagedRunner(model, block_size=4, num_blocks=64, seed=1)
+    runner.step([(0, list(range(3, 12))), (1, [5, 6])])  # cache prefixes for 0 and 1
+    step = [(0, [40]), (1, [7, 8, 9, 10, 11, 12]), (2, list(range(20, 33))), (3, [50, 51, 52])]
+    ctx, positions = runner.context([(s, len(t)) for s, t in step])
+    attn = model.model.layers[0].self_attn
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(sum(len(t) for _, t in step), attn.dims.hidden_size, generator=gen)
+    cache = attn.kv_cache.clone()
+
+    def layer(mode: str, budget: int) -> torch.Tensor:
+        attn.kv_cache.copy_(cache)
+        attn.mode = mode
+        monkeypatch.setattr(mla, "EXPANDED_GROUP_BYTES", budget)
+        return attn(x, positions, ctx)
+
+    want = layer("absorbed", mla.EXPANDED_GROUP_BYTES)
+    torch.testing.assert_close(layer("expanded", 1), want, rtol=1e-4, atol=1e-5)
+    torch.testing.assert_close(layer("expanded", 512 << 20), want, rtol=1e-4, atol=1e-5)
