@@ -30,6 +30,8 @@ from batchgen.bench.common import write_result
 ROUTINGS = 8
 # --tune sweeps only decode shapes (the bandwidth goals); larger ones keep the heuristic.
 TUNE_MAX_TOKENS = 8
+# Token counts up to which --tune offers the MXFP4 int8 kernels (one pair per program).
+INT8_MAX_TOKENS = 8
 
 
 @dataclass
@@ -178,7 +180,7 @@ def bench_moe(
         cfg = default_config(t * case.top_k, case.e, case.fmt)
         if tune and t <= tune_max_tokens:
             if case.fmt == "mxfp4":
-                cands = _mxfp4_candidates(cfg) if t <= 256 else _prefill_candidates(cfg)
+                cands = _mxfp4_candidates(cfg, t) if t <= 256 else _prefill_candidates(cfg)
             else:
                 cands = _moe_candidates(cfg, case.fmt)
             cfg = _tune(lambda c, x=x, r=routings: graphed(
@@ -371,12 +373,16 @@ def _swap_candidates(base: dict, fmt: str) -> list[dict]:
     return out
 
 
-def _mxfp4_candidates(base: dict) -> list[dict]:
+def _mxfp4_candidates(base: dict, tokens: int) -> list[dict]:
     """MXFP4: the heuristic's A @ W^T tile (decoded tiles through shared memory), Triton's
-    tl.dot_scaled, and the SWAP_AB tiles (decoded tiles straight into wgmma), which won
-    every Moonlight shape on the H200 (2026-11-29, third session)."""
+    tl.dot_scaled, the SWAP_AB tiles (decoded tiles straight into wgmma), which won every
+    Moonlight shape on the H200 (2026-11-29, third session), and up to 8 tokens the int8
+    path (table decode + dp4a, one pair per program; not yet timed on a GPU)."""
     a_wt = dict(base, SWAP_AB=False, BLOCK_N=64, BLOCK_K=128)  # the A @ W^T tile
     out = [base, a_wt, dict(a_wt, BLOCK_N=128, MXFP4_DOT_SCALED=True)]
+    if tokens <= INT8_MAX_TOKENS:
+        out += [dict(KERNEL="int8", BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
+                for bn, bk, w in itertools.product((32, 64, 128), (256, 512), (4, 8))]  # fmt: skip
     return out + _swap_candidates(base, "mxfp4")
 
 

@@ -27,6 +27,12 @@ to 2^1, and the engine refuses such checkpoints at load) and multiplies bf16 act
 (fp16 ones are rounded to bf16 first); `MXFP4_DOT_SCALED` in a config uses Triton's
 tl.dot_scaled on the stored codes instead.
 
+MXFP4 experts also have an int8 path for 1-8 tokens (config "KERNEL": "int8",
+_moe_int8_kernels.py): the codes become exact int8 through a byte-permute table and meet
+the activations, quantized to int8 per 32 (x by one extra launch, h by the gate+up
+epilogue), in dp4a; ~3 instructions per weight against the MMA kernels' ~8.4, where those
+are issue-bound. Only a tuned table entry selects it (not yet timed on a GPU).
+
 Decode shapes (few pairs per expert) use BLOCK_M=16 and narrow N tiles so the few touched
 experts' weights are spread over every SM; prefill shapes use larger BLOCK_M. Configs come
 from configs/fused_moe.json when tuned for the device, else the heuristic below.
@@ -43,6 +49,11 @@ from kernels.triton import configs
 from kernels.triton._arrival_counters import arrival_counters
 from kernels.triton._common import check_device, interpreting
 from kernels.triton._fused_moe_kernels import moe_down_kernel, moe_gate_up_kernel
+from kernels.triton._moe_int8_kernels import (
+    act_quant_int8_kernel,
+    moe_down_int8_kernel,
+    moe_gate_up_int8_kernel,
+)
 from kernels.triton.moe_align import moe_align
 
 OP = "fused_moe"
@@ -50,6 +61,7 @@ OP = "fused_moe"
 # checkpoint's scales against it once at load (engine/backends/cuda.py).
 MXFP4_MAX_EXACT_SCALE = 128
 WEIGHT_FORMATS = {"bf16": 0, "fp8": 1, "mxfp4": 3}
+INT8_QUANT_BLOCK = 256  # columns per program of the int8 path's activation quantization
 
 
 @dataclass
@@ -191,30 +203,53 @@ def fused_moe(
     route_w = topk_weights.reshape(-1)
     if route_w.dtype != torch.float32 or not route_w.is_contiguous():
         route_w = route_w.to(torch.float32).contiguous()
-    h = torch.empty((p, i), dtype=x.dtype, device=x.device)
+    int8 = cfg.get("KERNEL") == "int8"
+    h = None if int8 else torch.empty((p, i), dtype=x.dtype, device=x.device)
     s13, *s13_strides = _scale_args(w13, w13_scale, expert_dim=True)
     s2, *s2_strides = _scale_args(w2, w2_scale, expert_dim=True)
-    meta = _launch_meta(cfg)
+    meta = _launch_meta(cfg) if cfg.get("KERNEL") != "int8" else {}
     pairs, groups = align.sorted_pairs, align.block_expert
 
-    moe_gate_up_kernel[(max_blocks, _gate_up_tiles(i, cfg), cfg.get("GU_SPLIT_K", 1))](
-        x, w13, s13, h, pairs, groups, *_gate_up_split_buffers(max_blocks, i, cfg, h),
-        p, d, i,
-        x.stride(0), w13.stride(0), w13.stride(1), *s13_strides, h.stride(0),
-        TOPK=top_k, WFMT=_wfmt(fmt, w13_scale), DENSE=False, GU_SPLIT_K=cfg.get("GU_SPLIT_K", 1),
-        **meta,
-    )  # fmt: skip
+    if int8:
+        xq, xs = _act_quant_int8(x)
+        hq = torch.empty((p, i // 4), dtype=torch.int32, device=x.device)
+        hs = torch.empty((p, i // 32), dtype=torch.float32, device=x.device)
+        w13_words, w2_words = w13.view(torch.int32), w2.view(torch.int32)
+        moe_gate_up_int8_kernel[(max_blocks, triton.cdiv(i, cfg["BLOCK_N"]))](
+            xq, xs, w13_words, s13, hq, hs, pairs, groups,
+            p, d, i,
+            xq.stride(0), xs.stride(0), w13_words.stride(0), w13_words.stride(1), *s13_strides,
+            hq.stride(0), hs.stride(0),
+            TOPK=top_k, **_int8_meta(cfg),
+        )  # fmt: skip
+    else:
+        moe_gate_up_kernel[(max_blocks, _gate_up_tiles(i, cfg), cfg.get("GU_SPLIT_K", 1))](
+            x, w13, s13, h, pairs, groups, *_gate_up_split_buffers(max_blocks, i, cfg, h),
+            p, d, i,
+            x.stride(0), w13.stride(0), w13.stride(1), *s13_strides, h.stride(0),
+            TOPK=top_k, WFMT=_wfmt(fmt, w13_scale), DENSE=False,
+            GU_SPLIT_K=cfg.get("GU_SPLIT_K", 1), **meta,
+        )  # fmt: skip
     if shared is not None:
         h_shared = _shared_gate_up(x, shared, d)
-    # The down GEMM may split K (its partials meet in the atomic combine anyway): at a
-    # few tokens its D / BLOCK_N tiles of the few touched experts fill too few SMs.
-    split = cfg.get("SPLIT_K", 1)
-    moe_down_kernel[(max_blocks, triton.cdiv(d, cfg["BLOCK_N"]), split)](
-        h, w2, s2, route_w, y, pairs, groups,
-        p, d, i,
-        h.stride(0), w2.stride(0), w2.stride(1), *s2_strides, y.stride(0),
-        TOPK=top_k, WFMT=_wfmt(fmt, w2_scale), DENSE=False, SPLIT_K=split, **meta,
-    )  # fmt: skip
+    if int8:
+        moe_down_int8_kernel[(max_blocks, triton.cdiv(d, cfg["BLOCK_N"]))](
+            hq, hs, w2_words, s2, route_w, y, pairs, groups,
+            p, d, i,
+            hq.stride(0), hs.stride(0), w2_words.stride(0), w2_words.stride(1), *s2_strides,
+            y.stride(0),
+            TOPK=top_k, **_int8_meta(cfg),
+        )  # fmt: skip
+    else:
+        # The down GEMM may split K (its partials meet in the atomic combine anyway): at a
+        # few tokens its D / BLOCK_N tiles of the few touched experts fill too few SMs.
+        split = cfg.get("SPLIT_K", 1)
+        moe_down_kernel[(max_blocks, triton.cdiv(d, cfg["BLOCK_N"]), split)](
+            h, w2, s2, route_w, y, pairs, groups,
+            p, d, i,
+            h.stride(0), w2.stride(0), w2.stride(1), *s2_strides, y.stride(0),
+            TOPK=top_k, WFMT=_wfmt(fmt, w2_scale), DENSE=False, SPLIT_K=split, **meta,
+        )  # fmt: skip
     if shared is not None:
         _shared_down(h_shared, shared, y)
     return y if out_dtype == torch.float32 else y.to(out_dtype or x.dtype)
@@ -222,6 +257,19 @@ def fused_moe(
 
 def _check_config(cfg: dict, fmt: str) -> None:
     """A config (given, tuned or heuristic) the kernels can run for this weight format."""
+    if cfg.get("KERNEL") == "int8":
+        assert fmt == "mxfp4", f"the int8 kernels take MXFP4 experts, not {fmt!r}"
+        assert cfg["BLOCK_K"] % 32 == 0, (
+            f"int8 needs BLOCK_K a multiple of 32, got {cfg['BLOCK_K']}"
+        )
+        assert cfg["BLOCK_M"] == 1, f"the int8 kernels take one pair per tile, got {cfg['BLOCK_M']}"
+        assert cfg["BLOCK_N"] % 32 == 0, (
+            "int8 needs BLOCK_N a multiple of 32 (gate+up quantizes whole 32-unit blocks of "
+            f"h), got {cfg['BLOCK_N']}"
+        )
+        others = {"SWAP_AB", "GU_SPLIT_K", "SPLIT_K", "MXFP4_DOT_SCALED", "MXFP4_ASM"} & set(cfg)
+        assert not others, f"options of the MMA kernels do not apply to the int8 ones: {others}"
+        return
     if fmt == "fp8":
         assert 128 % cfg["BLOCK_K"] == 0, f"FP8 needs BLOCK_K dividing 128, got {cfg['BLOCK_K']}"
     if fmt == "mxfp4":
@@ -258,6 +306,26 @@ def _launch_meta(cfg: dict) -> dict:
                 MXFP4_DOT_SCALED=cfg.get("MXFP4_DOT_SCALED", False),
                 SWAP_AB=cfg.get("SWAP_AB", False),
                 num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))  # fmt: skip
+
+
+def _act_quant_int8(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> int8 x 4 words [T, D/4] and float32 scales [T, D/32] (per 32 columns,
+    halved for the decode table's x 2), as the int8 kernels read their activations."""
+    t, d = x.shape
+    xq = torch.empty((t, d // 4), dtype=torch.int32, device=x.device)
+    xs = torch.empty((t, d // 32), dtype=torch.float32, device=x.device)
+    act_quant_int8_kernel[(t, triton.cdiv(d, INT8_QUANT_BLOCK))](
+        x, xq, xs, d, x.stride(0), xq.stride(0), xs.stride(0), BLOCK_K=INT8_QUANT_BLOCK
+    )
+    return xq, xs
+
+
+def _int8_meta(cfg: dict) -> dict:
+    """An int8 config's meta-parameters and launch options. INT8_ASM False runs the plain
+    integer decode and dp4a on a GPU too (a cross-check); the interpreter always does."""
+    return dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
+                ASM=cfg.get("INT8_ASM", True) and not interpreting(),
+                num_warps=cfg.get("num_warps", 4))  # fmt: skip
 
 
 def _check_shared(shared: SharedExpert, d: int) -> int:
