@@ -165,6 +165,7 @@ def bench_moe(
     tune: bool,
     tokens: tuple[int, ...] = (),
     tune_max_tokens: int = TUNE_MAX_TOKENS,
+    int8: bool = False,
 ) -> tuple[list[dict], dict]:
     from kernels.reference.fused_moe import fused_moe_reference
     from kernels.triton.fused_moe import default_config, fused_moe, shape_key
@@ -180,7 +181,8 @@ def bench_moe(
         cfg = default_config(t * case.top_k, case.e, case.fmt)
         if tune and t <= tune_max_tokens:
             if case.fmt == "mxfp4":
-                cands = _mxfp4_candidates(cfg, t) if t <= 256 else _prefill_candidates(cfg)
+                cands = (_mxfp4_candidates(cfg, t, int8) if t <= 256
+                         else _prefill_candidates(cfg))  # fmt: skip
             else:
                 cands = _moe_candidates(cfg, case.fmt)
             cfg = _tune(lambda c, x=x, r=routings: graphed(
@@ -373,14 +375,16 @@ def _swap_candidates(base: dict, fmt: str) -> list[dict]:
     return out
 
 
-def _mxfp4_candidates(base: dict, tokens: int) -> list[dict]:
+def _mxfp4_candidates(base: dict, tokens: int, int8: bool) -> list[dict]:
     """MXFP4: the heuristic's A @ W^T tile (decoded tiles through shared memory), Triton's
     tl.dot_scaled, the SWAP_AB tiles (decoded tiles straight into wgmma), which won every
-    Moonlight shape on the H200 (2026-11-29, third session), and up to 8 tokens the int8
-    path (table decode + dp4a, one pair per program; not yet timed on a GPU)."""
+    Moonlight shape on the H200 (2026-11-29, third session), and with `int8` up to 8
+    tokens the int8 path (table decode + dp4a, one pair per program). That one rounds the
+    activations to int8 per 32 (~1% relative on random weights, against ~0.4% for bf16
+    activations), so the tuner offers it only when asked."""
     a_wt = dict(base, SWAP_AB=False, BLOCK_N=64, BLOCK_K=128)  # the A @ W^T tile
     out = [base, a_wt, dict(a_wt, BLOCK_N=128, MXFP4_DOT_SCALED=True)]
-    if tokens <= INT8_MAX_TOKENS:
+    if int8 and tokens <= INT8_MAX_TOKENS:
         out += [dict(KERNEL="int8", BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
                 for bn, bk, w in itertools.product((32, 64, 128), (256, 512), (4, 8))]  # fmt: skip
     return out + _swap_candidates(base, "mxfp4")
@@ -469,10 +473,12 @@ def run(
     linear_tokens: tuple[int, ...] = ENGINE_LINEAR_TOKENS,
     linear_native: bool = False,
     native_only: bool = False,
+    int8: bool = False,
 ) -> dict:
     """Run every case (or those whose name contains `only`; MoE token counts `tokens` instead
     of each case's own; no FP8 linear rows with linear=False, only native FP8 ones with
-    native_only); returns the JSON payload.
+    native_only; the MXFP4 int8 kernels among the tuner's candidates with int8); returns
+    the JSON payload.
     Tuned configs are merged into the committed tables before they are written."""
     if not torch.cuda.is_available():
         raise click.ClickException("bench kernels needs a CUDA GPU")
@@ -483,7 +489,7 @@ def run(
     for case in MOE_CASES:
         if not _selected(only, case.name):
             continue
-        r, t = bench_moe(case, copy_bps, device, tune, tokens, tune_max_tokens)
+        r, t = bench_moe(case, copy_bps, device, tune, tokens, tune_max_tokens, int8)
         rows += r
         tables["fused_moe"].update(t)
     for n, k in LINEAR_SHAPES if linear else ():
@@ -534,6 +540,8 @@ def run(
               help="Engine linear rows with native FP8 too (EngineConfig.fp8_native_min_tokens).")  # fmt: skip
 @click.option("--native-only", is_flag=True,
               help="FP8 linear rows with native FP8 only (the decode path's are skipped).")  # fmt: skip
+@click.option("--int8", is_flag=True,
+              help="Let --tune weigh the MXFP4 int8 kernels (int8 activations, up to 8 tokens).")  # fmt: skip
 @click.option("--linear-paths", is_flag=True,
               help="Only time the FP8 linear's GEMV, dot and native paths at decode sizes.")  # fmt: skip
 def command(
@@ -547,6 +555,7 @@ def command(
     linear_tokens: str,
     linear_native: bool,
     native_only: bool,
+    int8: bool,
     linear_paths: bool,
 ) -> None:
     """Fused MoE and FP8 linear: GB/s and % of copy bandwidth, vs plain torch."""
@@ -563,7 +572,7 @@ def command(
     payload = run(tune=tune, tuned_dir=tuned_dir, only=only, tokens=counts,
                   linear=not no_linear, tune_max_tokens=tune_max_tokens,
                   linear_tokens=linear_counts or ENGINE_LINEAR_TOKENS,
-                  linear_native=linear_native, native_only=native_only)  # fmt: skip
+                  linear_native=linear_native, native_only=native_only, int8=int8)  # fmt: skip
     path = write_result(name, payload)
     click.echo(f"wrote {path}")
 

@@ -102,10 +102,14 @@ def quantize_int8_words(x, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr):
     """x [BLOCK_M, BLOCK_K] float -> (words, scale): int8 x 4 words [BLOCK_M, BLOCK_K/4]
     (element 4j + i in byte i of word j), and the float32 scale [BLOCK_M, BLOCK_K/32] of
     each 32-block, halved to undo the decode table's x 2. Round to nearest (ties away from
-    zero) in steps of amax / 127."""
+    zero) in steps of amax / 127. The division is IEEE (div_rn: the plain `/` is ~2 ulp on
+    a GPU, and codes near a tie would differ from the CPU's), and a NaN (or inf) in a
+    block makes its scale NaN, so it reaches the output as on the MMA path."""
     xb = tl.reshape(x.to(tl.float32), [BLOCK_M, BLOCK_K // 32, 32])
-    step = tl.maximum(tl.max(tl.abs(xb), axis=2), 1e-30) / 127.0
-    q = xb / step[:, :, None]
+    poison = tl.sum(xb * 0.0, axis=2)  # NaN where a block holds a NaN or an inf
+    amax = tl.max(tl.abs(xb), axis=2)  # (a GPU's max and maximum drop NaNs)
+    step = tl.math.div_rn(tl.maximum(amax, 1e-30), 127.0) + poison
+    q = tl.math.div_rn(xb, step[:, :, None])
     q = tl.where(q >= 0, q + 0.5, q - 0.5).to(tl.int32)  # truncation after +-0.5
     q = tl.minimum(tl.maximum(q, -127), 127)
     # bytes i = 2 * i1 + i0 of each word: split i0 first, then i1
@@ -169,8 +173,9 @@ def _scaled_step(acc, w_rows, ws_rows, mask_n, xq_row, xs_row, k0, K, BLOCK_K: t
 
 @triton.jit
 def _tile_pair(sorted_pairs_ptr, block_expert_ptr, num_pairs):
-    """(expert, pair) of this program's tile: moe_align with BLOCK_M = 1, one pair each
-    (-1 for an unused tile)."""
+    """(expert, pair) of this program's tile: moe_align with BLOCK_M = 1 gives one pair
+    per tile and no padding pairs, but keep the check should its padding change; -1 for
+    an unused tile."""
     pid = tl.program_id(0)
     expert = tl.load(block_expert_ptr + pid)
     pair = tl.load(sorted_pairs_ptr + pid)

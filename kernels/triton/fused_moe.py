@@ -263,6 +263,10 @@ def _check_config(cfg: dict, fmt: str) -> None:
             f"int8 needs BLOCK_K a multiple of 32, got {cfg['BLOCK_K']}"
         )
         assert cfg["BLOCK_M"] == 1, f"the int8 kernels take one pair per tile, got {cfg['BLOCK_M']}"
+        for key in ("BLOCK_N", "BLOCK_K"):
+            assert cfg[key] & (cfg[key] - 1) == 0, (
+                f"int8 {key} must be a power of 2, got {cfg[key]}"
+            )
         assert cfg["BLOCK_N"] % 32 == 0, (
             "int8 needs BLOCK_N a multiple of 32 (gate+up quantizes whole 32-unit blocks of "
             f"h), got {cfg['BLOCK_N']}"
