@@ -6,8 +6,8 @@ MXFP4 weight, where the H200's HBM delivers one every ~4 issue slots per SM: the
 issue-bound at 18-30% of copy. Here each 32-bit word of codes (8 nibbles) becomes two
 words of int8 x 4 through a 16-entry byte-permute table (E2M1 x 2 is an exact integer:
 0, +-1, 2, 3, 4, 6, 8, 12), and dp4a multiplies them by the activations quantized to int8
-per 32 (the MXFP4 block): ~2.5-2.9 instructions per weight in the sm_90 PTX of this loop
-(scripts/sm90_int8_mxfp4_study.py). Each block's int32 sum is scaled once by
+per 32 (the MXFP4 block): 2.6-3.4 instructions per weight in the sm_90 PTX of these K
+loops (scripts/sm90_int8_mxfp4_study.py). Each block's int32 sum is scaled once by
 2^(e - 127) (the weight's E8M0) x the activation's scale / 2 (the table's x 2).
 
 Tiles: a program owns one (token, expert) pair (moe_align with BLOCK_M = 1) and BLOCK_N
@@ -15,7 +15,7 @@ output rows (gate+up: BLOCK_N units' gate and up rows), and walks K in BLOCK_K s
 partial sums stay per (row, 32-block) until the loop ends. One pair per program keeps
 every tensor 2-D in the codes' own layout: a tile of several pairs (3-D, [rows, pairs,
 words]) compiled to layout conversions through shared memory and shuffles in the K loop,
-4.5-6.9 instructions per weight at 2-4 pairs, against ~3.5 at one. An expert that two
+4.5-6.9 instructions per weight at 2-4 pairs. An expert that two
 tokens chose is then read twice, the second time mostly from the L2: this path is for
 1-4 tokens, where that is rare. The activations come quantized: x by
 act_quant_int8_kernel (one small launch), h by the gate+up kernel's epilogue, which holds
