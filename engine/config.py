@@ -47,6 +47,9 @@ class EngineConfig:
     # activations stay bf16 and the weights are decoded to bf16 (exact against them). A
     # decode step replayed from a CUDA graph counts its bucket's padded batch.
     fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS
+    # CUDA: at decode sizes the shared expert runs on a second stream, concurrently with
+    # the routed experts (fused_moe's shared_stream). False: one stream.
+    shared_expert_stream: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -27,7 +27,8 @@ class LLM:
     read, hiding the host's work behind the GPU's (default: on where decode steps replay
     CUDA graphs). `fp8_native_min_tokens` N lets dense FP8 linears of steps of >= N tokens
     quantize activations to FP8 on GPUs that multiply FP8 natively (default 64; None:
-    never).
+    never). `shared_expert_stream` runs a MoE layer's shared expert on a second CUDA
+    stream, concurrently with its routed experts (default on).
     """
 
     def __init__(
@@ -45,6 +46,7 @@ class LLM:
         speculative_tokens: int = 0,
         async_scheduling: bool | None = None,
         fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS,
+        shared_expert_stream: bool = True,
     ) -> None:
         self.config = EngineConfig(
             model=str(model),
@@ -60,6 +62,7 @@ class LLM:
             speculative_tokens=speculative_tokens,
             async_scheduling=async_scheduling,
             fp8_native_min_tokens=fp8_native_min_tokens,
+            shared_expert_stream=shared_expert_stream,
         )
         self.engine = LLMEngine(self.config)
         self.model_name = str(model)

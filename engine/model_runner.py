@@ -44,7 +44,8 @@ class ModelRunner:
         if self.device.type == "cuda":  # GPU backend setup (engine/backends/cuda.py)
             from engine.backends.cuda import prepare_model
 
-            prepare_model(self.model, self.dtype, self.max_model_len, config.fp8_native_min_tokens)
+            prepare_model(self.model, self.dtype, self.max_model_len,
+                          config.fp8_native_min_tokens, config.shared_expert_stream)  # fmt: skip
         self.num_blocks = self._allocate_kv_cache()
         if self.device.type == "cuda" and not config.record_routing and self.speculator is None:
             # Decode steps replay CUDA graphs (engine/cuda_graph_runner.py); takes one block.

@@ -296,6 +296,7 @@ def bench_engine(
     copy_bps: float,
     profile_step: bool,
     fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS,
+    shared_expert_stream: bool = True,
 ) -> tuple[list[dict], dict]:
     from engine.llm import LLM
 
@@ -308,6 +309,7 @@ def bench_engine(
         max_num_batched_tokens=16384,
         max_model_len=prompt_len + new_tokens + 16,
         fp8_native_min_tokens=fp8_native_min_tokens,
+        shared_expert_stream=shared_expert_stream,
     )
     runner = llm.engine.runner
     info = {
@@ -469,6 +471,7 @@ def run(
     workdir: Path,
     name: str,
     fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS,
+    shared_expert_stream: bool = True,
 ) -> dict:
     from batchgen.bench.kernels import copy_bandwidth
 
@@ -484,6 +487,7 @@ def run(
         "prompt_tokens": prompt_len,
         "new_tokens": new_tokens,
         "fp8_native_min_tokens": fp8_native_min_tokens,
+        "shared_expert_stream": shared_expert_stream,
         "results": [],
         "engine_info": {},
     }
@@ -491,7 +495,8 @@ def run(
     for w in weights:
         paths[w] = make_checkpoint(workdir, preset, layers, w)
         rows, info = bench_engine(paths[w], w, batches, prompt_len, new_tokens, copy_bps,
-                                  profile_step=True, fp8_native_min_tokens=fp8_native_min_tokens)  # fmt: skip
+                                  profile_step=True, fp8_native_min_tokens=fp8_native_min_tokens,
+                                  shared_expert_stream=shared_expert_stream)  # fmt: skip
         payload["results"] += rows
         payload["engine_info"][w] = info
         write_result(name, payload)  # after each phase, so a cut-off run keeps its numbers
@@ -543,15 +548,17 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--name", default="decode-h200-moonlight", show_default=True, help="JSON name.")
 @click.option("--fp8-native-min-tokens", type=int, default=FP8_NATIVE_MIN_TOKENS, show_default=True,
               help="Dense FP8 linears multiply in FP8 from this many tokens (0: never).")  # fmt: skip
+@click.option("--shared-expert-stream/--one-stream", default=True, show_default=True,
+              help="Run each MoE layer's shared expert on a second CUDA stream.")  # fmt: skip
 def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens, workdir, name,
-            fp8_native_min_tokens):  # fmt: skip
+            fp8_native_min_tokens, shared_expert_stream):  # fmt: skip
     """Decode tok/s of a DeepSeek-V3-family MoE on the GPU vs transformers and the roofline."""
     chosen = tuple(w.strip() for w in weights.split(",") if w.strip())
     unknown = [w for w in chosen if w not in WEIGHTS]
     if unknown:
         raise click.BadParameter(f"unknown weights {unknown}; choose from {sorted(WEIGHTS)}")
     run(preset, layers, chosen, _ints(batches), _ints(hf_batches), prompt_len, new_tokens,
-        workdir, name, fp8_native_min_tokens or None)  # fmt: skip
+        workdir, name, fp8_native_min_tokens or None, shared_expert_stream)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -136,7 +136,8 @@ def moe_forward(moe: DeepseekMoE, x: torch.Tensor) -> torch.Tensor:
     # accumulator (two launches instead of gate, up, silu, mul, down and the add). Larger
     # T is arithmetic, where cuBLAS's tiles beat the fused kernel's narrow DENSE ones.
     shared = getattr(moe, "cuda_shared", None) if x.shape[0] <= SHARED_FUSED_MAX_TOKENS else None
-    out = routed_experts(moe.experts, x, weights, ids, shared)
+    stream = getattr(moe, "cuda_shared_stream", None) if x.is_cuda else None
+    out = routed_experts(moe.experts, x, weights, ids, shared, stream)
     if moe.shared_experts is not None and (shared is None or not _uses_kernels(moe.experts, x)):
         out = out + moe.shared_experts(x)
     return out
@@ -152,9 +153,11 @@ def routed_experts(
     weights: torch.Tensor,
     ids: torch.Tensor,
     shared=None,
+    shared_stream: torch.cuda.Stream | None = None,
 ) -> torch.Tensor:
     """Routed experts' weighted sum; `shared` (a fused_moe.SharedExpert) is added in the
-    same kernels when the fused path runs, else the caller adds it."""
+    same kernels when the fused path runs (on `shared_stream` when given, concurrently with
+    the routed experts), else the caller adds it."""
     if _uses_kernels(experts, x):
         from kernels.triton.fused_moe import fused_moe
 
@@ -170,6 +173,7 @@ def routed_experts(
             fused.w2_scale,
             shared=shared,
             out_dtype=torch.float32,
+            shared_stream=shared_stream,
         )
     if experts.gate_proj.format.name == "unquantized":
         return gathered_experts(experts, x, weights, ids)
@@ -423,14 +427,17 @@ def prepare_model(
     dtype: torch.dtype,
     max_model_len: int,
     fp8_native_min_tokens: int | None = None,
+    shared_expert_stream: bool = False,
 ) -> None:
-    """Once after loading, on CUDA: stacked expert views, MLA decode state, and the token
+    """Once after loading, on CUDA: stacked expert views, MLA decode state, the token
     count from which dense FP8 linears multiply in FP8 (EngineConfig.fp8_native_min_tokens;
-    only where the GPU has FP8 tensor cores)."""
+    only where the GPU has FP8 tensor cores), and the stream the fused MoE layers run their
+    shared expert on (EngineConfig.shared_expert_stream; one for the whole model)."""
     native = fp8_native_min_tokens if _has_fp8_tensor_cores() else None
     if fp8_native_min_tokens is not None and native is None:
         log.info("no FP8 tensor cores: dense FP8 linears decode their weights to bf16 always")
     fused = 0
+    side = torch.cuda.Stream() if shared_expert_stream and torch.cuda.is_available() else None
     for module in model.modules():
         if isinstance(module, Linear) and isinstance(module.format, Fp8BlockFormat):
             module.cuda_native_min_tokens = native
@@ -439,6 +446,7 @@ def prepare_model(
             fused += module.cuda_fused is not None
         elif isinstance(module, DeepseekMoE) and module.shared_experts is not None:
             module.cuda_shared = stack_shared_expert(module.shared_experts)
+            module.cuda_shared_stream = side
         elif isinstance(module, MultiLatentAttention):
             module.cuda_state = prepare_mla(module, dtype, max_model_len, native)
     if fused:

@@ -172,12 +172,18 @@ def fused_moe(
     config: dict | None = None,
     shared: SharedExpert | None = None,
     out_dtype: torch.dtype | None = None,
+    shared_stream: torch.cuda.Stream | None = None,
 ) -> torch.Tensor:
     """x [T, D] bf16/fp16; w13 [E, 2I, D] (gate rows, then up rows); w2 [E, D, I];
     topk_weights [T, A] float32; topk_ids [T, A] int. Returns [T, D] in out_dtype (default
     x's dtype): sum_a topk_weights[t, a] * down(silu(gate(x_t)) * up(x_t)) of expert
     topk_ids[t, a], plus shared(x_t) when a shared expert is given. out_dtype float32
-    returns the combine's accumulator itself (no cast launch)."""
+    returns the combine's accumulator itself (no cast launch).
+
+    shared_stream: the shared expert's two launches run there, at the same time as the
+    routed experts' (both add into the accumulator with atomics once moe_align has zeroed
+    it). At a few tokens every launch here is latency-bound, far under the bandwidth, so
+    the two chains overlap; the caller's stream waits for the side stream before return."""
     assert x.dim() == 2 and x.stride(-1) == 1, f"x must be a row-major [T, D], got {list(x.shape)}"
     assert x.dtype in (torch.bfloat16, torch.float16), f"x must be bf16/fp16, got {x.dtype}"
     t, d = x.shape
@@ -209,6 +215,11 @@ def fused_moe(
     s2, *s2_strides = _scale_args(w2, w2_scale, expert_dim=True)
     meta = _launch_meta(cfg) if cfg.get("KERNEL") != "int8" else {}
     pairs, groups = align.sorted_pairs, align.block_expert
+    side = shared is not None and shared_stream is not None
+    if side:
+        shared_stream.wait_stream(torch.cuda.current_stream(x.device))  # x ready, y zeroed
+        with torch.cuda.stream(shared_stream):
+            _shared_down(_shared_gate_up(x, shared, d, lane="shared_expert"), shared, y)
 
     if int8:
         xq, xs = _act_quant_int8(x)
@@ -230,7 +241,7 @@ def fused_moe(
             TOPK=top_k, WFMT=_wfmt(fmt, w13_scale), DENSE=False,
             GU_SPLIT_K=cfg.get("GU_SPLIT_K", 1), **meta,
         )  # fmt: skip
-    if shared is not None:
+    if shared is not None and not side:
         h_shared = _shared_gate_up(x, shared, d)
     if int8:
         moe_down_int8_kernel[(max_blocks, triton.cdiv(d, cfg["BLOCK_N"]))](
@@ -250,8 +261,10 @@ def fused_moe(
             h.stride(0), w2.stride(0), w2.stride(1), *s2_strides, y.stride(0),
             TOPK=top_k, WFMT=_wfmt(fmt, w2_scale), DENSE=False, SPLIT_K=split, **meta,
         )  # fmt: skip
-    if shared is not None:
+    if shared is not None and not side:
         _shared_down(h_shared, shared, y)
+    if side:
+        torch.cuda.current_stream(x.device).wait_stream(shared_stream)
     return y if out_dtype == torch.float32 else y.to(out_dtype or x.dtype)
 
 
@@ -291,16 +304,18 @@ def _gate_up_tiles(i: int, cfg: dict) -> int:
     return triton.cdiv(i, cfg["BLOCK_N"] // 2 if cfg.get("SWAP_AB") else cfg["BLOCK_N"])
 
 
-def _gate_up_split_buffers(tiles_m: int, i: int, cfg: dict, stand_in: torch.Tensor) -> tuple:
-    """(partials, arrival counters) for a gate+up launch split along D (GU_SPLIT_K > 1, a
-    SWAP_AB config's option), else the stand-in twice (never read)."""
+def _gate_up_split_buffers(
+    tiles_m: int, i: int, cfg: dict, stand_in: torch.Tensor, lane: str = "main"
+) -> tuple:
+    """(partials, arrival counters of `lane`) for a gate+up launch split along D
+    (GU_SPLIT_K > 1, a SWAP_AB config's option), else the stand-in twice (never read)."""
     split = cfg.get("GU_SPLIT_K", 1)
     if split == 1:
         return stand_in, stand_in
     device = stand_in.device
     part = torch.empty((split, tiles_m * cfg["BLOCK_M"], 2 * i), dtype=torch.float32,
                        device=device)  # fmt: skip
-    return part, arrival_counters(device, tiles_m * _gate_up_tiles(i, cfg))
+    return part, arrival_counters(device, tiles_m * _gate_up_tiles(i, cfg), lane)
 
 
 def _launch_meta(cfg: dict) -> dict:
@@ -347,7 +362,9 @@ def _expert(scale: torch.Tensor | None) -> torch.Tensor | None:
     return scale[None] if scale is not None else None
 
 
-def _shared_gate_up(x: torch.Tensor, shared: SharedExpert, d: int) -> torch.Tensor:
+def _shared_gate_up(
+    x: torch.Tensor, shared: SharedExpert, d: int, lane: str = "main"
+) -> torch.Tensor:
     t = x.shape[0]
     i = _check_shared(shared, d)
     cfg = dense_config(t, d, i, shared.fmt, x.device)
@@ -356,7 +373,7 @@ def _shared_gate_up(x: torch.Tensor, shared: SharedExpert, d: int) -> torch.Tens
     s13, *s13_strides = _scale_args(shared.w13, shared.w13_scale, expert_dim=False)
     tiles_m = triton.cdiv(t, cfg["BLOCK_M"])
     moe_gate_up_kernel[(tiles_m, _gate_up_tiles(i, cfg), cfg.get("GU_SPLIT_K", 1))](
-        x, shared.w13, s13, h, h, h, *_gate_up_split_buffers(tiles_m, i, cfg, h),
+        x, shared.w13, s13, h, h, h, *_gate_up_split_buffers(tiles_m, i, cfg, h, lane),
         t, d, i,
         x.stride(0), 0, shared.w13.stride(0), *s13_strides, h.stride(0),
         TOPK=1, WFMT=_wfmt(shared.fmt, shared.w13_scale), DENSE=True,
