@@ -437,7 +437,8 @@ def prepare_model(
     if fp8_native_min_tokens is not None and native is None:
         log.info("no FP8 tensor cores: dense FP8 linears decode their weights to bf16 always")
     fused = 0
-    side = torch.cuda.Stream() if shared_expert_stream and torch.cuda.is_available() else None
+    device = next(model.parameters()).device
+    side = torch.cuda.Stream(device) if shared_expert_stream and device.type == "cuda" else None
     for module in model.modules():
         if isinstance(module, Linear) and isinstance(module.format, Fp8BlockFormat):
             module.cuda_native_min_tokens = native
