@@ -47,8 +47,10 @@ class EngineConfig:
     # activations stay bf16 and the weights are decoded to bf16 (exact against them). A
     # decode step replayed from a CUDA graph counts its bucket's padded batch.
     fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS
-    # CUDA: at decode sizes the shared expert runs on a second stream, concurrently with
-    # the routed experts (fused_moe's shared_stream). False: one stream.
+    # CUDA: in steps of up to 64 tokens (where the fused MoE launches add the shared
+    # expert; backends/cuda.py SHARED_FUSED_MAX_TOKENS) the shared expert runs on a second
+    # stream, concurrently with the routed experts (fused_moe's shared_stream). False: one
+    # stream.
     shared_expert_stream: bool = True
 
     def __post_init__(self) -> None:

@@ -28,7 +28,7 @@ class LLM:
     CUDA graphs). `fp8_native_min_tokens` N lets dense FP8 linears of steps of >= N tokens
     quantize activations to FP8 on GPUs that multiply FP8 natively (default 64; None:
     never). `shared_expert_stream` runs a MoE layer's shared expert on a second CUDA
-    stream, concurrently with its routed experts (default on).
+    stream, concurrently with its routed experts, in steps of up to 64 tokens (default on).
     """
 
     def __init__(

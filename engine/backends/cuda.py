@@ -427,7 +427,7 @@ def prepare_model(
     dtype: torch.dtype,
     max_model_len: int,
     fp8_native_min_tokens: int | None = None,
-    shared_expert_stream: bool = False,
+    shared_expert_stream: bool = True,
 ) -> None:
     """Once after loading, on CUDA: stacked expert views, MLA decode state, the token
     count from which dense FP8 linears multiply in FP8 (EngineConfig.fp8_native_min_tokens;

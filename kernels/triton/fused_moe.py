@@ -216,55 +216,56 @@ def fused_moe(
     meta = _launch_meta(cfg) if cfg.get("KERNEL") != "int8" else {}
     pairs, groups = align.sorted_pairs, align.block_expert
     side = shared is not None and shared_stream is not None
-    if side:
-        shared_stream.wait_stream(torch.cuda.current_stream(x.device))  # x ready, y zeroed
-        with torch.cuda.stream(shared_stream):
-            _shared_down(_shared_gate_up(x, shared, d, lane="shared_expert"), shared, y)
-
-    if int8:
-        xq, xs = _act_quant_int8(x)
-        hq = torch.empty((p, i // 4), dtype=torch.int32, device=x.device)
-        hs = torch.empty((p, i // 32), dtype=torch.float32, device=x.device)
-        w13_words, w2_words = w13.view(torch.int32), w2.view(torch.int32)
-        moe_gate_up_int8_kernel[(max_blocks, triton.cdiv(i, cfg["BLOCK_N"]))](
-            xq, xs, w13_words, s13, hq, hs, pairs, groups,
-            p, d, i,
-            xq.stride(0), xs.stride(0), w13_words.stride(0), w13_words.stride(1), *s13_strides,
-            hq.stride(0), hs.stride(0),
-            TOPK=top_k, **_int8_meta(cfg),
-        )  # fmt: skip
-    else:
-        moe_gate_up_kernel[(max_blocks, _gate_up_tiles(i, cfg), cfg.get("GU_SPLIT_K", 1))](
-            x, w13, s13, h, pairs, groups, *_gate_up_split_buffers(max_blocks, i, cfg, h),
-            p, d, i,
-            x.stride(0), w13.stride(0), w13.stride(1), *s13_strides, h.stride(0),
-            TOPK=top_k, WFMT=_wfmt(fmt, w13_scale), DENSE=False,
-            GU_SPLIT_K=cfg.get("GU_SPLIT_K", 1), **meta,
-        )  # fmt: skip
-    if shared is not None and not side:
-        h_shared = _shared_gate_up(x, shared, d)
-    if int8:
-        moe_down_int8_kernel[(max_blocks, triton.cdiv(d, cfg["BLOCK_N"]))](
-            hq, hs, w2_words, s2, route_w, y, pairs, groups,
-            p, d, i,
-            hq.stride(0), hs.stride(0), w2_words.stride(0), w2_words.stride(1), *s2_strides,
-            y.stride(0),
-            TOPK=top_k, **_int8_meta(cfg),
-        )  # fmt: skip
-    else:
-        # The down GEMM may split K (its partials meet in the atomic combine anyway): at a
-        # few tokens its D / BLOCK_N tiles of the few touched experts fill too few SMs.
-        split = cfg.get("SPLIT_K", 1)
-        moe_down_kernel[(max_blocks, triton.cdiv(d, cfg["BLOCK_N"]), split)](
-            h, w2, s2, route_w, y, pairs, groups,
-            p, d, i,
-            h.stride(0), w2.stride(0), w2.stride(1), *s2_strides, y.stride(0),
-            TOPK=top_k, WFMT=_wfmt(fmt, w2_scale), DENSE=False, SPLIT_K=split, **meta,
-        )  # fmt: skip
-    if shared is not None and not side:
-        _shared_down(h_shared, shared, y)
-    if side:
-        torch.cuda.current_stream(x.device).wait_stream(shared_stream)
+    try:  # the join runs even if a launch raises: y must outlive the side stream's atomics
+        if side:
+            shared_stream.wait_stream(torch.cuda.current_stream(x.device))  # x ready, y zeroed
+            with torch.cuda.stream(shared_stream):
+                _shared_down(_shared_gate_up(x, shared, d, lane="shared_expert"), shared, y)
+        if int8:
+            xq, xs = _act_quant_int8(x)
+            hq = torch.empty((p, i // 4), dtype=torch.int32, device=x.device)
+            hs = torch.empty((p, i // 32), dtype=torch.float32, device=x.device)
+            w13_words, w2_words = w13.view(torch.int32), w2.view(torch.int32)
+            moe_gate_up_int8_kernel[(max_blocks, triton.cdiv(i, cfg["BLOCK_N"]))](
+                xq, xs, w13_words, s13, hq, hs, pairs, groups,
+                p, d, i,
+                xq.stride(0), xs.stride(0), w13_words.stride(0), w13_words.stride(1), *s13_strides,
+                hq.stride(0), hs.stride(0),
+                TOPK=top_k, **_int8_meta(cfg),
+            )  # fmt: skip
+        else:
+            moe_gate_up_kernel[(max_blocks, _gate_up_tiles(i, cfg), cfg.get("GU_SPLIT_K", 1))](
+                x, w13, s13, h, pairs, groups, *_gate_up_split_buffers(max_blocks, i, cfg, h),
+                p, d, i,
+                x.stride(0), w13.stride(0), w13.stride(1), *s13_strides, h.stride(0),
+                TOPK=top_k, WFMT=_wfmt(fmt, w13_scale), DENSE=False,
+                GU_SPLIT_K=cfg.get("GU_SPLIT_K", 1), **meta,
+            )  # fmt: skip
+        if shared is not None and not side:
+            h_shared = _shared_gate_up(x, shared, d)
+        if int8:
+            moe_down_int8_kernel[(max_blocks, triton.cdiv(d, cfg["BLOCK_N"]))](
+                hq, hs, w2_words, s2, route_w, y, pairs, groups,
+                p, d, i,
+                hq.stride(0), hs.stride(0), w2_words.stride(0), w2_words.stride(1), *s2_strides,
+                y.stride(0),
+                TOPK=top_k, **_int8_meta(cfg),
+            )  # fmt: skip
+        else:
+            # The down GEMM may split K (its partials meet in the atomic combine anyway): at a
+            # few tokens its D / BLOCK_N tiles of the few touched experts fill too few SMs.
+            split = cfg.get("SPLIT_K", 1)
+            moe_down_kernel[(max_blocks, triton.cdiv(d, cfg["BLOCK_N"]), split)](
+                h, w2, s2, route_w, y, pairs, groups,
+                p, d, i,
+                h.stride(0), w2.stride(0), w2.stride(1), *s2_strides, y.stride(0),
+                TOPK=top_k, WFMT=_wfmt(fmt, w2_scale), DENSE=False, SPLIT_K=split, **meta,
+            )  # fmt: skip
+        if shared is not None and not side:
+            _shared_down(h_shared, shared, y)
+    finally:
+        if side:
+            torch.cuda.current_stream(x.device).wait_stream(shared_stream)
     return y if out_dtype == torch.float32 else y.to(out_dtype or x.dtype)
 
 

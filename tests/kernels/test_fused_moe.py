@@ -354,7 +354,8 @@ def test_fused_moe_swap_ab_gpu_sizes(fmt, t):
 def test_fused_moe_shared_expert_on_a_side_stream(fmt, t):
     # The shared expert's launches on a second stream, concurrently with the routed ones,
     # give the one-stream result, eagerly and replayed from a CUDA graph. The routed
-    # config splits gate+up along D, so both streams use arrival counters at once.
+    # config splits gate+up along D (arrival counters); so does the shared expert's tuned
+    # H200 entry at 1 and 8 tokens, which then counts in its own lane at the same time.
     args, kw = make_moe(t, d=2048, i=1408, e=64, a=6, fmt=fmt, seed=t)
     shared = random_shared(2048, 2816, "fp8", seed=t + 7)
     cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, GU_SPLIT_K=4, SPLIT_K=2,
