@@ -364,6 +364,8 @@ def test_fused_moe_shared_expert_on_a_side_stream(fmt, t):
     ref = fused_moe(*args, **call)
     side = torch.cuda.Stream()
     eager = fused_moe(*args, **call, shared_stream=side)
+    torch.cuda.current_stream().synchronize()
+    assert side.query()  # the caller's stream waited for the side stream's work (the join)
     assert rel_err(eager, ref) < 1e-5  # float32 atomics: only the summation order differs
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
