@@ -136,7 +136,7 @@ def moe_forward(moe: DeepseekMoE, x: torch.Tensor) -> torch.Tensor:
     # accumulator (two launches instead of gate, up, silu, mul, down and the add). Larger
     # T is arithmetic, where cuBLAS's tiles beat the fused kernel's narrow DENSE ones.
     shared = getattr(moe, "cuda_shared", None) if x.shape[0] <= SHARED_FUSED_MAX_TOKENS else None
-    stream = getattr(moe, "cuda_shared_stream", None) if x.is_cuda else None
+    stream = getattr(moe, "cuda_shared_stream", None)  # None off CUDA (prepare_model)
     out = routed_experts(moe.experts, x, weights, ids, shared, stream)
     if moe.shared_experts is not None and (shared is None or not _uses_kernels(moe.experts, x)):
         out = out + moe.shared_experts(x)
