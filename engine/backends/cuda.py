@@ -351,7 +351,11 @@ def mla_decode_forward(
     attn: MultiLatentAttention, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
 ) -> torch.Tensor:
     """MultiLatentAttention.forward for a step where every sequence has one new token."""
-    from kernels.triton.mla_cache import mla_rope_cache_write_
+    from kernels.triton.mla_cache import (
+        ABSORB_MAX_TOKENS,
+        mla_decode_prologue_,
+        mla_rope_cache_write_,
+    )
     from kernels.triton.mla_decode import choose_num_splits, mla_decode
 
     state: MlaCudaState = attn.cuda_state
@@ -369,21 +373,16 @@ def mla_decode_forward(
     cache = attn.kv_cache
     norm = attn.kv_a_layernorm
     # One launch: rope on q's rope slices (in place), and the entry [norm(c) | rope(k_rot)]
-    # written into the token's cache slot.
-    mla_rope_cache_write_(
-        q[..., N:],
-        kv,
-        positions,
-        state.cos,
-        state.sin,
-        attn.rotary.interleaved,
-        norm.weight,
-        norm.eps,
-        cache.view(-1, d.cache_width),
-        ctx.slot_mapping,
-    )
-    q_c = torch.bmm(q[..., :N].transpose(0, 1), state.w_uk.to(q.dtype))  # [H, T, R]
-    q_c = q_c.transpose(0, 1).to(cache.dtype)  # [T, H, R]
+    # written into the token's cache slot; at decode batch sizes also the absorption of
+    # q_nope through W_UK (q_c), which larger T leaves to one batched GEMM.
+    cache_args = (kv, positions, state.cos, state.sin, attn.rotary.interleaved, norm.weight,
+                  norm.eps, cache.view(-1, d.cache_width), ctx.slot_mapping)  # fmt: skip
+    if T <= ABSORB_MAX_TOKENS and q.dtype in KERNEL_DTYPES:
+        q_c = mla_decode_prologue_(q, P, *cache_args, state.w_uk)  # [T, H, R]
+    else:
+        mla_rope_cache_write_(q[..., N:], *cache_args)
+        q_c = torch.bmm(q[..., :N].transpose(0, 1), state.w_uk.to(q.dtype))  # [H, T, R]
+        q_c = q_c.transpose(0, 1).to(cache.dtype)  # [T, H, R]
     q_rope = q[..., N:].to(cache.dtype)  # [T, H, P]
     if cache.dtype in KERNEL_DTYPES and min(R, P) >= MIN_DOT_K:
         splits = choose_num_splits(T, ctx.max_context_len, H, x.device)

@@ -3,7 +3,7 @@ import torch
 
 from kernels.reference.rmsnorm import rmsnorm_reference
 from kernels.reference.rope import rope_reference
-from kernels.triton.mla_cache import mla_rope_cache_write_
+from kernels.triton.mla_cache import ABSORB_MAX_TOKENS, mla_decode_prologue_, mla_rope_cache_write_
 from kernels.triton.rmsnorm import rmsnorm
 from kernels.triton.rope import apply_rope_
 from tests.kernels._helpers import DEVICE, gpu_only, rel_err
@@ -87,6 +87,52 @@ def test_mla_rope_cache_write_equals_norm_rope_and_index_copy(interleaved, t, h,
     untouched = torch.ones(32, dtype=torch.bool, device=DEVICE)
     untouched[slots] = False
     assert torch.isnan(cache.view(-1, kvl + r)[untouched]).all()
+
+
+@pytest.mark.parametrize("t,h,nope,kvl", [(1, 2, 32, 64), (3, 3, 24, 96), (17, 2, 16, 32)])
+def test_mla_decode_prologue_absorbs_q_nope_and_writes_the_cache(t, h, nope, kvl):
+    # Beside the rope and the cache entry (as mla_rope_cache_write_), q_c = q_nope @ w_uk
+    # per head, as the batched GEMM it replaces computes it. 17 tokens: two 16-token dots;
+    # nope 24: a masked dot; kvl 96: a partial latent block.
+    r = 16
+    g = torch.Generator().manual_seed(t * 100 + nope)
+    q = torch.randn(t, h, nope + r, generator=g).bfloat16().to(DEVICE)
+    kv = torch.randn(t, kvl + r, generator=g).bfloat16().to(DEVICE)
+    w = (1 + 0.1 * torch.randn(kvl, generator=g)).bfloat16().to(DEVICE)
+    w_uk = torch.randn(h, nope, kvl, generator=g).bfloat16().to(DEVICE)
+    pos = torch.randint(0, 50, (t,), generator=g).to(DEVICE)
+    ang = torch.rand(50, r // 2, generator=g) * 6.28
+    cos, sin = ang.cos().to(DEVICE), ang.sin().to(DEVICE)
+    cache = torch.full((4, 8, kvl + r), float("nan"), dtype=torch.bfloat16, device=DEVICE)
+    slots = torch.randperm(32, generator=g)[:t].to(DEVICE)
+    q_ref = q.clone()
+    q_ref[..., nope:] = rope_reference(q[..., nope:], pos, cos, sin, True)
+    qc_ref = torch.einsum("thn,hnl->thl", q[..., :nope].float(), w_uk.float())
+    cache_ref = cache.clone()
+    mla_rope_cache_write_(q_ref[..., nope:].clone(), kv, pos, cos, sin, True, w, 1e-6,
+                          cache_ref.view(-1, kvl + r), slots)  # fmt: skip
+    q_c = mla_decode_prologue_(q, r, kv, pos, cos, sin, True, w, 1e-6,
+                               cache.view(-1, kvl + r), slots, w_uk)  # fmt: skip
+    assert q_c.shape == (t, h, kvl) and q_c.dtype == cache.dtype
+    assert rel_err(q_c, qc_ref) < 1e-2
+    assert rel_err(q, q_ref) < 1e-2  # the rope slice rotated in place, the nope slice kept
+    assert torch.equal(q[..., :nope], q_ref[..., :nope])
+    assert torch.equal(cache.isnan(), cache_ref.isnan())
+    written = ~cache.isnan()
+    assert torch.equal(cache[written], cache_ref[written])
+
+
+def test_mla_decode_prologue_refuses_prefill_sized_batches():
+    t = ABSORB_MAX_TOKENS + 1
+    q = torch.zeros(t, 2, 32, dtype=torch.bfloat16, device=DEVICE)
+    kv = torch.zeros(t, 48, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(AssertionError, match="absorb above"):
+        mla_decode_prologue_(q, 16, kv, torch.zeros(t, dtype=torch.long, device=DEVICE),
+                             torch.ones(4, 8, device=DEVICE), torch.zeros(4, 8, device=DEVICE),
+                             True, torch.ones(32, dtype=torch.bfloat16, device=DEVICE), 1e-6,
+                             torch.zeros(64, 48, dtype=torch.bfloat16, device=DEVICE),
+                             torch.arange(t, device=DEVICE), torch.zeros(2, 16, 32,
+                             dtype=torch.bfloat16, device=DEVICE))  # fmt: skip
 
 
 @pytest.mark.gpu
