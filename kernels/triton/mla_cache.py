@@ -78,7 +78,7 @@ def mla_rope_cache_kernel(
     F32_DOT: tl.constexpr,
 ):
     pid = tl.program_id(0)
-    if ABSORB:
+    if ABSORB:  # noqa: SIM102 (a compile-time branch: without ABSORB no absorption code)
         if pid >= T:  # programs T.. absorb: one (head, latent block) each
             _absorb_block(qn_ptr, w_uk_ptr, qc_ptr, pid - T, T, KVL, n_nope, stride_qt, stride_qh,
                           stride_wh, stride_wn, stride_ct, stride_ch,
