@@ -97,18 +97,13 @@ class FusedExperts:
     w2_scale: torch.Tensor | None
 
 
-def route(
-    spec: RouterSpec, x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """x [T, D] -> (weights [T, K] float32, ids [T, K]) like DeepseekRouter.forward: the
-    logits x.float() @ W.float().T in float32."""
+def _routing_args(spec: RouterSpec, bias: torch.Tensor | None) -> dict | None:
+    """The router kernels' routing arguments for `spec`, or None where they do not apply
+    (V2's greedy groups score a group by its max; the kernels by the top-2 sum)."""
     if spec.topk_method == "group_limited_greedy" and spec.topk_group < spec.n_group:
-        # The kernel scores a group by its top-2 sum (noaux_tc); V2's greedy groups use max.
-        return select_experts(F.linear(x.float(), gate_weight), spec, bias)
-    from kernels.triton.moe_router import moe_gate_route, moe_route
-
+        return None
     grouped = spec.uses_groups and spec.topk_group < spec.n_group
-    routing = dict(
+    return dict(
         top_k=spec.top_k,
         bias=bias if spec.uses_bias else None,
         n_group=spec.n_group if grouped else 1,
@@ -117,6 +112,18 @@ def route(
         routed_scaling_factor=spec.routed_scaling_factor,
         scoring=spec.scoring_func,
     )
+
+
+def route(
+    spec: RouterSpec, x: torch.Tensor, gate_weight: torch.Tensor, bias: torch.Tensor | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """x [T, D] -> (weights [T, K] float32, ids [T, K]) like DeepseekRouter.forward: the
+    logits x.float() @ W.float().T in float32."""
+    routing = _routing_args(spec, bias)
+    if routing is None:
+        return select_experts(F.linear(x.float(), gate_weight), spec, bias)
+    from kernels.triton.moe_router import moe_gate_route, moe_route
+
     if x.shape[0] <= ROUTER_FUSED_MAX_TOKENS:  # one launch: the GEMV inside the router
         ids, weights = moe_gate_route(x.contiguous(), gate_weight.contiguous(), **routing)
     else:
@@ -124,12 +131,42 @@ def route(
     return weights, ids
 
 
+def moe_prologue(moe: DeepseekMoE, x: torch.Tensor):
+    """At decode sizes on the fused path: routing, pair grouping, x's int8 quantization
+    and the accumulator's zeroing in one launch (kernels/triton/moe_prologue.py), as a
+    MoePrologue for fused_moe; else None (the router and fused_moe launch their own)."""
+    from kernels.triton.fused_moe import choose_config
+    from kernels.triton.moe_prologue import PROLOGUE_MAX_TOKENS, moe_prologue
+
+    gate, experts = moe.gate, moe.experts
+    routing = _routing_args(gate.spec, gate.e_score_correction_bias)
+    if x.shape[0] > PROLOGUE_MAX_TOKENS or routing is None or not _uses_kernels(experts, x):
+        return None
+    fused: FusedExperts = experts.cuda_fused
+    t, d = x.shape
+    e = fused.w13.shape[0]
+    i = fused.w2.shape[-1] * (2 if fused.fmt == "mxfp4" else 1)
+    cfg = choose_config(t, routing["top_k"], e, d, i, fused.fmt, x.device)
+    return moe_prologue(
+        x,
+        gate.weight.contiguous(),
+        block_m=cfg["BLOCK_M"],
+        quantize_int8=cfg.get("KERNEL") == "int8",
+        **routing,
+    )
+
+
 def moe_forward(moe: DeepseekMoE, x: torch.Tensor) -> torch.Tensor:
     """DeepseekMoE.forward on CUDA: x [T, D] -> [T, D]. On the fused path the result is
     the kernels' float32 accumulator: the next step is always the pre-norm residual add
     (the fused RMSNorm takes a float32 x), so a cast launch per layer is saved."""
     gate = moe.gate
-    weights, ids = route(gate.spec, x, gate.weight, gate.e_score_correction_bias)
+    x = x.contiguous()
+    prologue = moe_prologue(moe, x)
+    if prologue is not None:
+        weights, ids = prologue.topk_weights, prologue.topk_ids
+    else:
+        weights, ids = route(gate.spec, x, gate.weight, gate.e_score_correction_bias)
     if moe.routing_recorder is not None:
         moe.routing_recorder.record(moe.layer_index, ids, moe.experts.bytes_per_expert())
     # At decode sizes the fused kernels add the shared expert into the routed experts'
@@ -137,7 +174,7 @@ def moe_forward(moe: DeepseekMoE, x: torch.Tensor) -> torch.Tensor:
     # T is arithmetic, where cuBLAS's tiles beat the fused kernel's narrow DENSE ones.
     shared = getattr(moe, "cuda_shared", None) if x.shape[0] <= SHARED_FUSED_MAX_TOKENS else None
     stream = getattr(moe, "cuda_shared_stream", None)  # None off CUDA (prepare_model)
-    out = routed_experts(moe.experts, x, weights, ids, shared, stream)
+    out = routed_experts(moe.experts, x, weights, ids, shared, stream, prologue)
     if moe.shared_experts is not None and (shared is None or not _uses_kernels(moe.experts, x)):
         out = out + moe.shared_experts(x)
     return out
@@ -154,10 +191,11 @@ def routed_experts(
     ids: torch.Tensor,
     shared=None,
     shared_stream: torch.cuda.Stream | None = None,
+    prologue=None,
 ) -> torch.Tensor:
     """Routed experts' weighted sum; `shared` (a fused_moe.SharedExpert) is added in the
     same kernels when the fused path runs (on `shared_stream` when given, concurrently with
-    the routed experts), else the caller adds it."""
+    the routed experts), else the caller adds it. `prologue`: moe_prologue's, if any."""
     if _uses_kernels(experts, x):
         from kernels.triton.fused_moe import fused_moe
 
@@ -174,6 +212,7 @@ def routed_experts(
             shared=shared,
             out_dtype=torch.float32,
             shared_stream=shared_stream,
+            prologue=prologue,
         )
     if experts.gate_proj.format.name == "unquantized":
         return gathered_experts(experts, x, weights, ids)

@@ -131,8 +131,16 @@ def act_quant_int8_kernel(
     BLOCK_K: tl.constexpr,
 ):
     """One program per (row, BLOCK_K columns): the activations of the int8 kernels."""
-    row = tl.program_id(0).to(tl.int64)
-    k0 = tl.program_id(1) * BLOCK_K
+    quantize_row_block(x_ptr, q_ptr, s_ptr, tl.program_id(0), tl.program_id(1), K,
+                       stride_xm, stride_qm, stride_sm, BLOCK_K)  # fmt: skip
+
+
+@triton.jit
+def quantize_row_block(x_ptr, q_ptr, s_ptr, row, kb, K, stride_xm, stride_qm, stride_sm,
+                       BLOCK_K: tl.constexpr):  # fmt: skip
+    """Columns [kb * BLOCK_K, (kb + 1) * BLOCK_K) of one row, as act_quant_int8_kernel."""
+    row = row.to(tl.int64)
+    k0 = kb * BLOCK_K
     offs_k = k0 + tl.arange(0, BLOCK_K)
     x = tl.load(x_ptr + row * stride_xm + offs_k[None, :], mask=offs_k[None, :] < K, other=0.0)
     words, scale = quantize_int8_words(x, 1, BLOCK_K)

@@ -8,7 +8,7 @@ import triton.language as tl
 
 
 @triton.jit
-def _route_row(
+def route_row(
     x,  # [BLOCK_E] float32 logits, -inf where masked
     offs,  # [BLOCK_E] expert index
     mask,  # [BLOCK_E] offs < E
@@ -101,10 +101,70 @@ def moe_router_kernel(
     offs = tl.arange(0, BLOCK_E)
     mask = offs < E
     x = tl.load(logits_ptr + row * stride_l + offs, mask=mask, other=float("-inf")).to(tl.float32)
-    _route_row(
+    route_row(
         x, offs, mask, bias_ptr, ids_ptr + row * TOP_K, weights_ptr + row * TOP_K, E, scaling,
         SCORING, HAS_BIAS, N_GROUP, TOPK_GROUP, TOP_K, NORM, BLOCK_E, BLOCK_G, BLOCK_K,
     )  # fmt: skip
+
+
+@triton.jit
+def gate_logits(x_row, w_ptr, offs_e, mask_e, D, stride_w, GEMV_E: tl.constexpr,
+                BLOCK_D: tl.constexpr):  # fmt: skip
+    """float32 logits [GEMV_E] of experts offs_e for one token's row x_row [D]."""
+    # Products summed per lane over the D steps, then across lanes once: float32 throughout,
+    # as x.float() @ W.float().T (the order of the sum differs from cuBLAS's by design).
+    acc = tl.zeros((GEMV_E, BLOCK_D), tl.float32)
+    for d0 in range(0, D, BLOCK_D):
+        offs_d = d0 + tl.arange(0, BLOCK_D)
+        mask_d = offs_d < D
+        x = tl.load(x_row + offs_d, mask=mask_d, other=0.0).to(tl.float32)
+        w = tl.load(w_ptr + offs_e[:, None] * stride_w + offs_d[None, :],
+                    mask=mask_e[:, None] & mask_d[None, :], other=0.0)  # fmt: skip
+        acc += w.to(tl.float32) * x[None, :]
+    return tl.sum(acc, axis=1)
+
+
+@triton.jit
+def route_split_row(
+    logits,  # [GEMV_E] float32: this program's block of the token's logits
+    offs_e,
+    mask_e,
+    logits_row,  # the token's [E] float32 scratch row
+    counter,  # the token's arrival counter (_arrival_counters)
+    blocks,  # expert blocks per token
+    bias_ptr,
+    ids_row,
+    weights_row,
+    E,
+    scaling,
+    SCORING: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
+    NORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+):
+    """Store a block of the token's logits and count it in; the token's last block to
+    arrive routes the completed row. Returns whether this program was that one."""
+    tl.store(logits_row + offs_e, logits, mask=mask_e)
+    tl.debug_barrier()  # every thread's logits stored before the counter's release
+    arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
+    last = arrived == blocks - 1
+    if last:
+        # The row is complete. .cg reads at L2, past this SM's L1, which may hold stale
+        # lines of a scratch row an earlier launch used.
+        offs = tl.arange(0, BLOCK_E)
+        mask = offs < E
+        row = tl.load(logits_row + offs, mask=mask, other=float("-inf"), cache_modifier=".cg")
+        route_row(
+            row, offs, mask, bias_ptr, ids_row, weights_row, E, scaling,
+            SCORING, HAS_BIAS, N_GROUP, TOPK_GROUP, TOP_K, NORM, BLOCK_E, BLOCK_G, BLOCK_K,
+        )  # fmt: skip
+        tl.atomic_xchg(counter, 0)  # zero again for the next launch
+    return last
 
 
 @triton.jit
@@ -143,39 +203,18 @@ def moe_gate_router_kernel(
     eb = tl.program_id(1)
     offs_e = eb * GEMV_E + tl.arange(0, GEMV_E)
     mask_e = offs_e < E
-    # Products summed per lane over the D steps, then across lanes once: float32 throughout,
-    # as x.float() @ W.float().T (the order of the sum differs from cuBLAS's by design).
-    acc = tl.zeros((GEMV_E, BLOCK_D), tl.float32)
-    for d0 in range(0, D, BLOCK_D):
-        offs_d = d0 + tl.arange(0, BLOCK_D)
-        mask_d = offs_d < D
-        x = tl.load(x_ptr + t * stride_x + offs_d, mask=mask_d, other=0.0).to(tl.float32)
-        w = tl.load(w_ptr + offs_e[:, None] * stride_w + offs_d[None, :],
-                    mask=mask_e[:, None] & mask_d[None, :], other=0.0)  # fmt: skip
-        acc += w.to(tl.float32) * x[None, :]
-    logits = tl.sum(acc, axis=1)  # [GEMV_E]
+    logits = gate_logits(x_ptr + t * stride_x, w_ptr, offs_e, mask_e, D, stride_w, GEMV_E, BLOCK_D)
     ids_row = ids_ptr + t * TOP_K
     weights_row = weights_ptr + t * TOP_K
     if SPLIT:
-        tl.store(logits_ptr + t * stride_l + offs_e, logits, mask=mask_e)
-        tl.debug_barrier()  # every thread's logits stored before the counter's release
-        counter = counters_ptr + t
-        arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-        if arrived == tl.num_programs(1) - 1:
-            # The token's last expert block: its row is complete. .cg reads at L2, past this
-            # SM's L1, which may hold stale lines of a scratch row an earlier launch used.
-            offs = tl.arange(0, BLOCK_E)
-            mask = offs < E
-            row = tl.load(logits_ptr + t * stride_l + offs, mask=mask, other=float("-inf"),
-                          cache_modifier=".cg")  # fmt: skip
-            _route_row(
-                row, offs, mask, bias_ptr, ids_row, weights_row, E, scaling,
-                SCORING, HAS_BIAS, N_GROUP, TOPK_GROUP, TOP_K, NORM, BLOCK_E, BLOCK_G, BLOCK_K,
-            )  # fmt: skip
-            tl.atomic_xchg(counter, 0)  # zero again for the next launch
+        route_split_row(
+            logits, offs_e, mask_e, logits_ptr + t * stride_l, counters_ptr + t,
+            tl.num_programs(1), bias_ptr, ids_row, weights_row, E, scaling,
+            SCORING, HAS_BIAS, N_GROUP, TOPK_GROUP, TOP_K, NORM, BLOCK_E, BLOCK_G, BLOCK_K,
+        )  # fmt: skip
     else:  # one program holds the token's whole row (GEMV_E == BLOCK_E)
         row = tl.where(mask_e, logits, float("-inf"))
-        _route_row(
+        route_row(
             row, offs_e, mask_e, bias_ptr, ids_row, weights_row, E, scaling,
             SCORING, HAS_BIAS, N_GROUP, TOPK_GROUP, TOP_K, NORM, BLOCK_E, BLOCK_G, BLOCK_K,
         )  # fmt: skip

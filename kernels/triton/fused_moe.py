@@ -31,7 +31,7 @@ MXFP4 experts also have an int8 path for 1-8 tokens (config "KERNEL": "int8",
 _moe_int8_kernels.py): the codes become exact int8 through a byte-permute table and meet
 the activations, quantized to int8 per 32 (x by one extra launch, h by the gate+up
 epilogue), in dp4a; ~3 instructions per weight against the MMA kernels' ~8.4, where those
-are issue-bound. Only a tuned table entry selects it (not yet timed on a GPU).
+are issue-bound. Only a tuned table entry selects it (the H200's table does at 1-8 tokens).
 
 Decode shapes (few pairs per expert) use BLOCK_M=16 and narrow N tiles so the few touched
 experts' weights are spread over every SM; prefill shapes use larger BLOCK_M. Configs come
@@ -55,6 +55,7 @@ from kernels.triton._moe_int8_kernels import (
     moe_gate_up_int8_kernel,
 )
 from kernels.triton.moe_align import moe_align
+from kernels.triton.moe_prologue import MoePrologue
 
 OP = "fused_moe"
 # The largest E8M0 scale byte (2^1) the MXFP4 decode is exact for; callers check their
@@ -173,6 +174,7 @@ def fused_moe(
     shared: SharedExpert | None = None,
     out_dtype: torch.dtype | None = None,
     shared_stream: torch.cuda.Stream | None = None,
+    prologue: MoePrologue | None = None,
 ) -> torch.Tensor:
     """x [T, D] bf16/fp16; w13 [E, 2I, D] (gate rows, then up rows); w2 [E, D, I];
     topk_weights [T, A] float32; topk_ids [T, A] int. Returns [T, D] in out_dtype (default
@@ -183,7 +185,11 @@ def fused_moe(
     shared_stream: the shared expert's two launches run there, at the same time as the
     routed experts' (both add into the accumulator with atomics once moe_align has zeroed
     it). At a few tokens every launch here is latency-bound, far under the bandwidth, so
-    the two chains overlap; the caller's stream waits for the side stream before return."""
+    the two chains overlap; the caller's stream waits for the side stream before return.
+
+    prologue: moe_prologue's launch already routed (topk_weights and topk_ids are then
+    its own), grouped the pairs for `config` (choose_config's), quantized x if that is an
+    int8 config and zeroed the accumulator, which is then the result's storage."""
     assert x.dim() == 2 and x.stride(-1) == 1, f"x must be a row-major [T, D], got {list(x.shape)}"
     assert x.dtype in (torch.bfloat16, torch.float16), f"x must be bf16/fp16, got {x.dtype}"
     t, d = x.shape
@@ -198,18 +204,23 @@ def fused_moe(
     top_k = topk_ids.shape[1]
     if t == 0:
         return torch.empty_like(x)
-    cfg = config or configs.lookup(OP, shape_key(t, top_k, e, d, i, fmt), x.device)
-    cfg = dict(cfg) if cfg is not None else default_config(t * top_k, e, fmt)
-    _check_config(cfg, fmt)
-
-    y = torch.empty((t, d), dtype=torch.float32, device=x.device)  # zeroed by moe_align
-    align = moe_align(topk_ids, e, cfg["BLOCK_M"], zero=y)
+    cfg = choose_config(t, top_k, e, d, i, fmt, x.device, config)
+    int8 = cfg.get("KERNEL") == "int8"
+    if prologue is None:
+        y = torch.empty((t, d), dtype=torch.float32, device=x.device)  # zeroed by moe_align
+        align = moe_align(topk_ids, e, cfg["BLOCK_M"], zero=y)
+        x_int8 = None  # quantized below, once the shared expert's stream has forked
+    else:
+        y, align, x_int8 = prologue.acc, prologue.alignment, prologue.x_int8
+        assert align.block_m == cfg["BLOCK_M"] and (x_int8 is not None) == int8, (
+            "the prologue was launched for another config than this call's"
+        )
+        assert topk_ids is prologue.topk_ids and y.shape == (t, d), "not this call's prologue"
     p = align.num_pairs
     max_blocks = align.block_expert.numel()
     route_w = topk_weights.reshape(-1)
     if route_w.dtype != torch.float32 or not route_w.is_contiguous():
         route_w = route_w.to(torch.float32).contiguous()
-    int8 = cfg.get("KERNEL") == "int8"
     h = None if int8 else torch.empty((p, i), dtype=x.dtype, device=x.device)
     s13, *s13_strides = _scale_args(w13, w13_scale, expert_dim=True)
     s2, *s2_strides = _scale_args(w2, w2_scale, expert_dim=True)
@@ -222,7 +233,7 @@ def fused_moe(
             with torch.cuda.stream(shared_stream):
                 _shared_down(_shared_gate_up(x, shared, d, lane="shared_expert"), shared, y)
         if int8:
-            xq, xs = _act_quant_int8(x)
+            xq, xs = x_int8 if x_int8 is not None else _act_quant_int8(x)
             hq = torch.empty((p, i // 4), dtype=torch.int32, device=x.device)
             hs = torch.empty((p, i // 32), dtype=torch.float32, device=x.device)
             w13_words, w2_words = w13.view(torch.int32), w2.view(torch.int32)
@@ -267,6 +278,17 @@ def fused_moe(
         if side:
             torch.cuda.current_stream(x.device).wait_stream(shared_stream)
     return y if out_dtype == torch.float32 else y.to(out_dtype or x.dtype)
+
+
+def choose_config(
+    t: int, top_k: int, e: int, d: int, i: int, fmt: str, device, config: dict | None = None
+) -> dict:
+    """The launch config of a fused_moe call: `config` if given, else the tuned table's
+    entry for the shape on this device, else the heuristic; checked for the format."""
+    cfg = config or configs.lookup(OP, shape_key(t, top_k, e, d, i, fmt), device)
+    cfg = dict(cfg) if cfg is not None else default_config(t * top_k, e, fmt)
+    _check_config(cfg, fmt)
+    return cfg
 
 
 def _check_config(cfg: dict, fmt: str) -> None:

@@ -72,16 +72,41 @@ def moe_align_kernel(
 ):
     pid = tl.program_id(0)
     if pid > 0:
-        offs_z = (pid - 1).to(tl.int64) * ZBLOCK + tl.arange(0, ZBLOCK)
-        tl.store(zero_ptr + offs_z, tl.zeros((ZBLOCK,), tl.float32), mask=offs_z < n_zero)
+        zero_block(zero_ptr, pid - 1, n_zero, ZBLOCK)
         return
+    align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, P, E, max_blocks,
+                BLOCK_M, BLOCK_E, CHUNK, TILES, "")  # fmt: skip
+
+
+@triton.jit
+def zero_block(zero_ptr, block, n_zero, ZBLOCK: tl.constexpr):
+    """Zero elements [block * ZBLOCK, (block + 1) * ZBLOCK) of a float32 buffer."""
+    offs_z = block.to(tl.int64) * ZBLOCK + tl.arange(0, ZBLOCK)
+    tl.store(zero_ptr + offs_z, tl.zeros((ZBLOCK,), tl.float32), mask=offs_z < n_zero)
+
+
+@triton.jit
+def align_pairs(
+    ids_ptr,
+    sorted_ptr,
+    block_expert_ptr,
+    P,
+    E,
+    max_blocks,
+    BLOCK_M: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    CHUNK: tl.constexpr,
+    TILES: tl.constexpr,
+    IDS_CACHE: tl.constexpr,  # ".cg" where another program of the launch wrote the ids
+):
+    """The whole grouping in one program: sorted_pairs and block_expert from the P ids."""
     offs_e = tl.arange(0, BLOCK_E)
     # 1. counts per expert: a [CHUNK, BLOCK_E] one-hot per chunk of pairs.
     counts = tl.zeros((BLOCK_E,), tl.int32)
     for c0 in range(0, P, CHUNK):
         offs_p = c0 + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-1).to(tl.int32)
-        onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)
+        ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-1, cache_modifier=IDS_CACHE)
+        onehot = (ids.to(tl.int32)[:, None] == offs_e[None, :]).to(tl.int32)
         counts += tl.sum(onehot, axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)  # experts >= E have 0 pairs: end = total
@@ -105,8 +130,8 @@ def moe_align_kernel(
     for c0 in range(0, P, CHUNK):
         offs_p = c0 + tl.arange(0, CHUNK)
         mask_p = offs_p < P
-        ids = tl.load(ids_ptr + offs_p, mask=mask_p, other=-1).to(tl.int32)
-        onehot = (ids[:, None] == offs_e[None, :]).to(tl.int32)  # [CHUNK, BLOCK_E]
+        ids = tl.load(ids_ptr + offs_p, mask=mask_p, other=-1, cache_modifier=IDS_CACHE)
+        onehot = (ids.to(tl.int32)[:, None] == offs_e[None, :]).to(tl.int32)  # [CHUNK, BLOCK_E]
         before = tl.cumsum(onehot, axis=0) - onehot  # same-expert pairs earlier in the chunk
         slot = (padded_start + running)[None, :] + before
         dest = tl.sum(tl.where(onehot == 1, slot, 0), axis=1)
@@ -128,8 +153,7 @@ def moe_count_kernel(
 ):
     pid = tl.program_id(0)
     if pid >= n_chunks:
-        offs_z = (pid - n_chunks).to(tl.int64) * ZBLOCK + tl.arange(0, ZBLOCK)
-        tl.store(zero_ptr + offs_z, tl.zeros((ZBLOCK,), tl.float32), mask=offs_z < n_zero)
+        zero_block(zero_ptr, pid - n_chunks, n_zero, ZBLOCK)
         return
     offs_e = tl.arange(0, BLOCK_E)
     offs_p = pid * CHUNK + tl.arange(0, CHUNK)

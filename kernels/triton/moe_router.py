@@ -33,7 +33,7 @@ SCORING = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
 GEMV_TILE = 4096  # weight elements one gate program holds per D step (experts x BLOCK_D)
 
 
-def _check_routing(
+def check_routing(
     e: int, top_k: int, bias: torch.Tensor | None, n_group: int, topk_group: int, scoring: str
 ) -> torch.Tensor | None:
     """Validate the routing arguments; returns the bias as a float32 contiguous [E]."""
@@ -49,7 +49,7 @@ def _check_routing(
     return bias.float().contiguous()
 
 
-def _routing_constants(
+def routing_constants(
     e: int, top_k: int, has_bias: bool, n_group: int, topk_group: int, norm: bool, scoring: str
 ) -> dict:
     return dict(
@@ -74,7 +74,7 @@ def moe_route(
     topk_weights [T, top_k] float32). Field names follow DeepSeek's config.json."""
     assert logits.dim() == 2 and logits.stride(-1) == 1, "logits must be a row-major [T, E]"
     t, e = logits.shape
-    bias = _check_routing(e, top_k, bias, n_group, topk_group, scoring)
+    bias = check_routing(e, top_k, bias, n_group, topk_group, scoring)
     check_device(logits)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
     weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
@@ -82,7 +82,7 @@ def moe_route(
         moe_router_kernel[(t,)](
             logits, bias if bias is not None else logits, ids, weights,
             e, logits.stride(0), float(routed_scaling_factor),
-            **_routing_constants(e, top_k, bias is not None, n_group, topk_group,
+            **routing_constants(e, top_k, bias is not None, n_group, topk_group,
                                  norm_topk_prob, scoring),
             num_warps=4 if e > 128 else 1,
         )  # fmt: skip
@@ -124,7 +124,7 @@ def moe_gate_route(
     t, d = x.shape
     e = gate_weight.shape[0]
     assert gate_weight.shape[1] == d, f"gate weight {list(gate_weight.shape)} vs x [{t}, {d}]"
-    bias = _check_routing(e, top_k, bias, n_group, topk_group, scoring)
+    bias = check_routing(e, top_k, bias, n_group, topk_group, scoring)
     check_device(x, gate_weight)
     ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
     weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
@@ -142,7 +142,7 @@ def moe_gate_route(
         x, gate_weight, bias if bias is not None else weights, logits, counters, ids, weights,
         d, e, float(routed_scaling_factor),
         x.stride(0), gate_weight.stride(0), logits.stride(0),
-        **_routing_constants(e, top_k, bias is not None, n_group, topk_group,
+        **routing_constants(e, top_k, bias is not None, n_group, topk_group,
                              norm_topk_prob, scoring),
         GEMV_E=per, BLOCK_D=block_d or min(next_pow2(d), max(GEMV_TILE // per, 32)),
         SPLIT=split,

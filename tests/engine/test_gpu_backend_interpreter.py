@@ -67,11 +67,15 @@ def test_shared_expert_is_stacked_as_views_and_fused(tiny_model):
     assert relative_error(both - routed, moe.shared_experts(x).float()) < 3e-2
 
 
-def test_moe_forward_matches_the_torch_path(tiny_model):
+@pytest.mark.parametrize("tokens", [5, 40])  # with moe_prologue's one launch, and without
+def test_moe_forward_matches_the_torch_path(tiny_model, tokens):
+    from kernels.triton.moe_prologue import PROLOGUE_MAX_TOKENS
+
     moe = next(m for m in tiny_model.modules() if isinstance(m, DeepseekMoE))
     gen = torch.Generator().manual_seed(1)
-    x = torch.randn(5, moe.gate.weight.shape[1], generator=gen).bfloat16()
+    x = torch.randn(tokens, moe.gate.weight.shape[1], generator=gen).bfloat16()
     want = moe(x).float()  # CPU tensors: the layer's own torch code
+    assert (backend.moe_prologue(moe, x) is not None) == (tokens <= PROLOGUE_MAX_TOKENS)
     got = backend.moe_forward(moe, x)
     assert got.dtype == torch.float32  # the accumulator itself: the next norm adds it
     assert relative_error(got, want) < 2e-2

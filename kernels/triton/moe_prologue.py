@@ -1,0 +1,205 @@
+"""The fused MoE's decode prologue in one launch: the router (float32 gate GEMV, scoring,
+top-k), the grouping of the (token, expert) pairs by expert, the int8 quantization of x
+(for the int8 MXFP4 kernels) and the zeroing of the float32 accumulator.
+
+Why: at batch 1 each of these was a launch of its own on the H200 (router 5.9 us, moe_align
+2.5 us, act_quant_int8 1.2 us per layer, plus ~1.3 us between dependent launches in a
+graph), each a short chain of dependent memory round trips on a few SMs. Their work is
+independent except router -> grouping, which an arrival counter orders inside the launch:
+
+  programs [0, T * blocks)      gate GEMV of (token, block of experts) -> logits scratch;
+                                a token's last block routes its row (route_split_row);
+                                the last token routed groups all pairs (align_pairs)
+  next T * cdiv(D, QBLOCK)      int8 x 4 words and scales of x (QUANT only)
+  the rest                      zero the accumulator, ZBLOCK floats each
+
+The results are what moe_gate_route, moe_align(zero=acc) and the int8 path's activation
+quantization give; fused_moe takes them through `prologue=` instead of launching its own.
+Decode sizes only (PROLOGUE_MAX_TOKENS): one program groups every pair.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton._arrival_counters import arrival_counters
+from kernels.triton._common import check_device, next_pow2
+from kernels.triton._moe_int8_kernels import quantize_row_block
+from kernels.triton._moe_router_kernels import gate_logits, route_split_row
+from kernels.triton.moe_align import (
+    ZERO_BLOCK,
+    MoeAlignment,
+    align_pairs,
+    max_padded_pairs,
+    zero_block,
+)
+from kernels.triton.moe_router import (
+    GEMV_TILE,
+    check_routing,
+    gate_experts_per_program,
+    routing_constants,
+)
+
+PROLOGUE_MAX_TOKENS = 16
+QUANT_BLOCK = 256  # columns of x per quantization program
+
+
+@dataclass
+class MoePrologue:
+    topk_ids: torch.Tensor  # [T, A] int32
+    topk_weights: torch.Tensor  # [T, A] float32
+    alignment: MoeAlignment
+    acc: torch.Tensor  # [T, D] float32, zeroed
+    x_int8: tuple[torch.Tensor, torch.Tensor] | None  # ([T, D/4] int32 words, [T, D/32] scales)
+
+
+@triton.jit
+def moe_prologue_kernel(
+    # pointers
+    x_ptr,  # [T, D] any float dtype
+    w_ptr,  # [E, D] float32 or bf16 gate weight
+    bias_ptr,  # [E] float32 (HAS_BIAS)
+    logits_ptr,  # [T, E] float32 scratch
+    counters_ptr,  # [T + 1] int32, zero between launches: per token, then all tokens
+    ids_ptr,  # [T, TOP_K] int32 out
+    weights_ptr,  # [T, TOP_K] float32 out
+    sorted_ptr,  # [max_blocks * BLOCK_M] int32 out
+    block_expert_ptr,  # [max_blocks] int32 out
+    xq_ptr,  # [T, D/4] int32 out (QUANT)
+    xs_ptr,  # [T, D/32] float32 out (QUANT)
+    acc_ptr,  # [T * D] float32, zeroed
+    # sizes
+    T,
+    D,
+    E,
+    scaling,
+    max_blocks,
+    # strides
+    stride_x,
+    stride_w,
+    stride_xq,
+    stride_xs,
+    # meta-parameters: routing (moe_router.routing_constants)
+    SCORING: tl.constexpr,
+    HAS_BIAS: tl.constexpr,
+    N_GROUP: tl.constexpr,
+    TOPK_GROUP: tl.constexpr,
+    TOP_K: tl.constexpr,
+    NORM: tl.constexpr,
+    BLOCK_E: tl.constexpr,
+    BLOCK_G: tl.constexpr,
+    BLOCK_K: tl.constexpr,
+    GEMV_E: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+    # grouping (moe_align)
+    BLOCK_M: tl.constexpr,
+    CHUNK: tl.constexpr,
+    TILES: tl.constexpr,
+    # quantization and zeroing
+    QUANT: tl.constexpr,
+    QBLOCK: tl.constexpr,
+    ZBLOCK: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    blocks = tl.cdiv(E, GEMV_E)
+    if pid < T * blocks:
+        t = (pid // blocks).to(tl.int64)
+        offs_e = (pid % blocks) * GEMV_E + tl.arange(0, GEMV_E)
+        mask_e = offs_e < E
+        logits = gate_logits(x_ptr + t * stride_x, w_ptr, offs_e, mask_e, D, stride_w,
+                             GEMV_E, BLOCK_D)  # fmt: skip
+        routed = route_split_row(
+            logits, offs_e, mask_e, logits_ptr + t * E, counters_ptr + t, blocks, bias_ptr,
+            ids_ptr + t * TOP_K, weights_ptr + t * TOP_K, E, scaling,
+            SCORING, HAS_BIAS, N_GROUP, TOPK_GROUP, TOP_K, NORM, BLOCK_E, BLOCK_G, BLOCK_K,
+        )  # fmt: skip
+        if routed:
+            tl.debug_barrier()  # the token's ids stored by every thread before the release
+            everyone = counters_ptr + T
+            if tl.atomic_add(everyone, 1, sem="acq_rel", scope="gpu") == T - 1:
+                # Every token is routed: group the pairs (ids read at L2, see route_split_row).
+                align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, T * TOP_K, E, max_blocks,
+                            BLOCK_M, BLOCK_E, CHUNK, TILES, ".cg")  # fmt: skip
+                tl.atomic_xchg(everyone, 0)
+        return
+    pid -= T * blocks
+    if QUANT:
+        q_blocks = tl.cdiv(D, QBLOCK)
+        if pid < T * q_blocks:
+            quantize_row_block(x_ptr, xq_ptr, xs_ptr, pid // q_blocks, pid % q_blocks, D,
+                               stride_x, stride_xq, stride_xs, QBLOCK)  # fmt: skip
+            return
+        pid -= T * q_blocks
+    zero_block(acc_ptr, pid, T * D, ZBLOCK)
+
+
+def moe_prologue(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    top_k: int,
+    block_m: int,
+    quantize_int8: bool,
+    bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    norm_topk_prob: bool = True,
+    routed_scaling_factor: float = 1.0,
+    scoring: str = "sigmoid",
+) -> MoePrologue:
+    """x [T, D] (bf16/fp16, T <= PROLOGUE_MAX_TOKENS) and the gate weight [E, D] -> the
+    routing, the pairs grouped into tiles of `block_m` rows (the fused MoE
+    config's BLOCK_M), x quantized for the int8 kernels when `quantize_int8`, and a zeroed
+    float32 accumulator [T, D]. Routing arguments as moe_router.moe_gate_route's."""
+    assert x.dim() == 2 and x.stride(-1) == 1, "x must be a row-major [T, D]"
+    assert gate_weight.dim() == 2 and gate_weight.stride(-1) == 1, "gate weight must be [E, D]"
+    t, d = x.shape
+    e = gate_weight.shape[0]
+    assert gate_weight.shape[1] == d, f"gate weight {list(gate_weight.shape)} vs x [{t}, {d}]"
+    assert 1 <= t <= PROLOGUE_MAX_TOKENS, (
+        f"the MoE prologue takes 1..{PROLOGUE_MAX_TOKENS} tokens, got {t}"
+    )
+    assert not quantize_int8 or d % 32 == 0, f"int8 activations need D % 32 == 0, got {d}"
+    bias = check_routing(e, top_k, bias, n_group, topk_group, scoring)
+    check_device(x, gate_weight)
+    device = x.device
+    p = t * top_k
+    max_blocks = -(-max_padded_pairs(p, e, block_m) // block_m)
+    ids = torch.empty((t, top_k), dtype=torch.int32, device=device)
+    weights = torch.empty((t, top_k), dtype=torch.float32, device=device)
+    sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
+    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    acc = torch.empty((t, d), dtype=torch.float32, device=device)
+    logits = torch.empty((t, e), dtype=torch.float32, device=device)
+    counters = arrival_counters(device, t + 1)
+    if quantize_int8:
+        xq = torch.empty((t, d // 4), dtype=torch.int32, device=device)
+        xs = torch.empty((t, d // 32), dtype=torch.float32, device=device)
+        quant_programs = t * triton.cdiv(d, QUANT_BLOCK)
+    else:  # never written
+        xq, xs, quant_programs = sorted_pairs, acc, 0
+    per = gate_experts_per_program(t, e, device)
+    block_e = next_pow2(e)
+    programs = t * triton.cdiv(e, per) + quant_programs + triton.cdiv(t * d, ZERO_BLOCK)
+    moe_prologue_kernel[(programs,)](
+        x, gate_weight, bias if bias is not None else weights, logits, counters, ids, weights,
+        sorted_pairs, block_expert, xq, xs, acc,
+        t, d, e, float(routed_scaling_factor), max_blocks,
+        x.stride(0), gate_weight.stride(0), xq.stride(0), xs.stride(0),
+        **routing_constants(e, top_k, bias is not None, n_group, topk_group, norm_topk_prob,
+                            scoring),
+        GEMV_E=per, BLOCK_D=min(next_pow2(d), max(GEMV_TILE // per, 32)),
+        BLOCK_M=block_m, CHUNK=max(16, min(256, 8192 // block_e, next_pow2(p))),
+        TILES=max(16, min(64, next_pow2(max_blocks))),
+        QUANT=quantize_int8, QBLOCK=QUANT_BLOCK, ZBLOCK=ZERO_BLOCK, num_warps=4,
+    )  # fmt: skip
+    return MoePrologue(
+        ids,
+        weights,
+        MoeAlignment(sorted_pairs, block_expert, p, block_m),
+        acc,
+        (xq, xs) if quantize_int8 else None,
+    )

@@ -1,0 +1,135 @@
+"""moe_prologue's one launch must give what its separate launches give: moe_gate_route's
+ids and weights, moe_align's grouping, the int8 path's quantized x, and a zeroed
+accumulator; and fused_moe must give the same result with it as without."""
+
+import pytest
+import torch
+
+import kernels.triton.moe_prologue as prologue_module
+from kernels.triton.fused_moe import _act_quant_int8, fused_moe
+from kernels.triton.moe_align import moe_align_torch
+from kernels.triton.moe_prologue import PROLOGUE_MAX_TOKENS, moe_prologue
+from kernels.triton.moe_router import moe_gate_route
+from tests.kernels._helpers import DEVICE, gpu_only, rel_err
+from tests.kernels.test_fused_moe import _LaunchRecorder, make_moe, random_shared
+
+# (T, D, E, top_k, n_group, topk_group, scoring, bias, block_m, int8). T = 1: the experts
+# split over programs; 16 = PROLOGUE_MAX_TOKENS with several tokens' last blocks racing to
+# group; E = 12 and D = 96: blocks and quantization columns with masked tails.
+CASES = [
+    (1, 64, 8, 2, 1, 1, "sigmoid", True, 1, True),
+    (3, 96, 12, 3, 3, 2, "sigmoid", True, 16, False),
+    (5, 128, 16, 4, 1, 1, "sqrtsoftplus", True, 1, True),
+    (16, 64, 10, 3, 1, 1, "softmax", False, 4, False),
+]
+
+
+def _poisoned_empty(real_empty):
+    """torch.empty whose floats are NaN and ints -7: an element the launch leaves unwritten
+    (or an accumulator it fails to zero) shows."""
+
+    def empty(*shape, dtype=None, device=None, **kw):
+        out = real_empty(*shape, dtype=dtype, device=device, **kw)
+        return out.fill_(float("nan") if out.is_floating_point() else -7)
+
+    return empty
+
+
+def _routing(e, k, ng, tg, scoring, with_bias, g):
+    bias = (0.3 * torch.randn(e, generator=g)).to(DEVICE) if with_bias else None
+    return dict(top_k=k, bias=bias, n_group=ng, topk_group=tg, norm_topk_prob=True,
+                routed_scaling_factor=2.5, scoring=scoring)  # fmt: skip
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prologue_equals_the_separate_launches(case, monkeypatch):
+    t, d, e, k, ng, tg, scoring, with_bias, block_m, int8 = case
+    g = torch.Generator().manual_seed(t * 31 + e)
+    x = torch.randn(t, d, generator=g).bfloat16().to(DEVICE)
+    w = (torch.randn(e, d, generator=g) / d**0.5).to(DEVICE)
+    routing = _routing(e, k, ng, tg, scoring, with_bias, g)
+    monkeypatch.setattr(prologue_module.torch, "empty", _poisoned_empty(torch.empty))
+    got = moe_prologue(x, w, block_m=block_m, quantize_int8=int8, **routing)
+    monkeypatch.undo()
+    ids, weights = moe_gate_route(x, w, **routing)
+    # the same float32 GEMV and routing code: the same bits
+    assert torch.equal(got.topk_ids, ids) and torch.equal(got.topk_weights, weights)
+    want = moe_align_torch(ids, e, block_m)
+    assert torch.equal(got.alignment.sorted_pairs, want.sorted_pairs)
+    assert torch.equal(got.alignment.block_expert, want.block_expert)
+    assert got.alignment.num_pairs == t * k and got.alignment.block_m == block_m
+    assert torch.equal(got.acc, torch.zeros(t, d, device=DEVICE))
+    if int8:
+        xq, xs = _act_quant_int8(x)
+        assert torch.equal(got.x_int8[0], xq) and torch.equal(got.x_int8[1], xs)
+    else:
+        assert got.x_int8 is None
+
+
+@pytest.mark.parametrize("fmt,config", [
+    ("mxfp4", dict(KERNEL="int8", BLOCK_M=1, BLOCK_N=32, BLOCK_K=64, num_warps=4)),
+    ("bf16", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)),
+])  # fmt: skip
+def test_fused_moe_with_the_prologue_equals_without(fmt, config):
+    t, d, i, e, k = 3, 128, 64, 6, 2
+    args, kw = make_moe(t, d=d, i=i, e=e, a=k, fmt=fmt, seed=9)
+    x = args[0]
+    g = torch.Generator().manual_seed(3)
+    gate = (torch.randn(e, d, generator=g) / d**0.5).to(DEVICE)
+    routing = _routing(e, k, 1, 1, "sigmoid", True, g)
+    pro = moe_prologue(x, gate, block_m=config["BLOCK_M"],
+                       quantize_int8=config.get("KERNEL") == "int8", **routing)  # fmt: skip
+    shared = random_shared(d, 64, "fp8", seed=4)
+    ids, weights = pro.topk_ids, pro.topk_weights
+    common = dict(kw, config=config, shared=shared, out_dtype=torch.float32)
+    got = fused_moe(x, args[1], args[2], weights, ids, **common, prologue=pro)
+    want = fused_moe(x, args[1], args[2], weights, ids, **common)
+    assert got.data_ptr() == pro.acc.data_ptr()  # the prologue's accumulator is the result
+    assert rel_err(got, want) < 1e-6
+
+
+def test_a_prologue_for_another_config_is_refused():
+    args, kw = make_moe(2, d=64, i=64, e=4, a=2, fmt="mxfp4", seed=1)
+    gate = torch.randn(4, 64).to(DEVICE)
+    pro = moe_prologue(args[0], gate, top_k=2, block_m=16, quantize_int8=False)
+    int8 = dict(KERNEL="int8", BLOCK_M=1, BLOCK_N=32, BLOCK_K=64)
+    with pytest.raises(AssertionError, match="another config"):
+        fused_moe(args[0], args[1], args[2], pro.topk_weights, pro.topk_ids, **kw,
+                  config=int8, prologue=pro)  # fmt: skip
+
+
+def test_prologue_refuses_more_than_its_token_limit():
+    x = torch.zeros(PROLOGUE_MAX_TOKENS + 1, 64, dtype=torch.bfloat16, device=DEVICE)
+    with pytest.raises(AssertionError, match="tokens"):
+        moe_prologue(x, torch.zeros(8, 64, device=DEVICE), top_k=2, block_m=1,
+                     quantize_int8=True)  # fmt: skip
+
+
+def test_prologue_launch_passes_only_kernel_parameters(monkeypatch):
+    # The interpreter ignores unknown keyword arguments; a GPU launch raises on them.
+    rec = _LaunchRecorder(prologue_module.moe_prologue_kernel)
+    monkeypatch.setattr(prologue_module, "moe_prologue_kernel", rec)
+    x = torch.zeros(2, 64, dtype=torch.bfloat16, device=DEVICE)
+    moe_prologue(x, torch.zeros(8, 64, device=DEVICE), top_k=2, block_m=1, quantize_int8=True,
+                 bias=torch.zeros(8, device=DEVICE))  # fmt: skip
+    assert len(rec.keywords) == 1 and rec.keywords[0] - {"num_warps"} <= rec.arg_names
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("t", [1, 8, 16])
+def test_prologue_gpu_moonlight_shape(t):
+    g = torch.Generator().manual_seed(t)
+    x = torch.randn(t, 2048, generator=g).bfloat16().to(DEVICE)
+    w = (torch.randn(64, 2048, generator=g) / 45).to(DEVICE)
+    routing = _routing(64, 6, 1, 1, "sigmoid", True, g)
+    for _ in range(3):  # counters left at zero: repeated launches agree
+        got = moe_prologue(x, w, block_m=1, quantize_int8=True, **routing)
+        ids, weights = moe_gate_route(x, w, **routing)
+        assert torch.equal(got.topk_ids, ids) and torch.equal(got.topk_weights, weights)
+        want = moe_align_torch(ids, 64, 1)
+        assert torch.equal(got.alignment.sorted_pairs, want.sorted_pairs)
+        assert torch.equal(got.alignment.block_expert, want.block_expert)
+        xq, xs = _act_quant_int8(x)
+        assert torch.equal(got.x_int8[0], xq) and torch.equal(got.x_int8[1], xs)
+        assert not got.acc.any()
