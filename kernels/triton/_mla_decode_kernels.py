@@ -91,6 +91,8 @@ def mla_decode_kernel(
     R: tl.constexpr,
     BS: tl.constexpr,
     NUM_SPLITS: tl.constexpr,
+    BLOCK_S: tl.constexpr,  # next_pow2(NUM_SPLITS)
+    MERGE_UNROLL: tl.constexpr,  # partials in flight while the last split merges
     BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr,
     F32_DOT: tl.constexpr,
@@ -98,6 +100,16 @@ def mla_decode_kernel(
     b = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
     split = tl.program_id(2)
+    offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
+    mask_h = offs_h < H
+    offs_c = tl.arange(0, KVL)
+    offs_r = tl.arange(0, R)
+    # q does not depend on the context length: its loads go out beside the length's, not
+    # after the branch that needs it (one DRAM round trip fewer per program).
+    qc = tl.load(qc_ptr + b * stride_qcb + offs_h[:, None] * stride_qch + offs_c[None, :],
+                 mask=mask_h[:, None], other=0.0)  # fmt: skip
+    qr = tl.load(qr_ptr + b * stride_qrb + offs_h[:, None] * stride_qrh + offs_r[None, :],
+                 mask=mask_h[:, None], other=0.0)  # fmt: skip
     ctx = tl.load(ctx_lens_ptr + b).to(tl.int32)
     # Splits this sequence uses, decided here from its device-side length (a CUDA graph
     # fixes NUM_SPLITS at capture for the longest possible context): about sqrt(2 * tiles),
@@ -111,14 +123,6 @@ def mla_decode_kernel(
     if split < active:
         start = split * chunk
         end = tl.minimum(start + chunk, ctx)
-        offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
-        mask_h = offs_h < H
-        offs_c = tl.arange(0, KVL)
-        offs_r = tl.arange(0, R)
-        qc = tl.load(qc_ptr + b * stride_qcb + offs_h[:, None] * stride_qch + offs_c[None, :],
-                     mask=mask_h[:, None], other=0.0)  # fmt: skip
-        qr = tl.load(qr_ptr + b * stride_qrb + offs_h[:, None] * stride_qrh + offs_r[None, :],
-                     mask=mask_h[:, None], other=0.0)  # fmt: skip
         acc, m_i, l_i = _attend_chunk(
             qc, qr, cache_ptr, block_tables_ptr, b, start, end, scale,
             stride_cblk, stride_cslot, stride_bt,
@@ -141,23 +145,25 @@ def mla_decode_kernel(
             counter = counters_ptr + b * tl.num_programs(1) + hb
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == active - 1:
-                # The last split: out = sum_s exp(lse_s - LSE) o_s, starting from its own
-                # partial (still in registers). Active splits hold >= 1 token, so every
-                # lse is finite. .cg: read at L2, past this SM's L1, which may hold stale
-                # lines of a buffer another launch used at the same address.
-                m = lse
-                den = tl.full((BLOCK_H,), 1.0, tl.float32)
-                for s in range(0, active):
-                    if s != split:
-                        lse_s = tl.load(lse_row + s, mask=mask_h, other=0.0, cache_modifier=".cg")
-                        o_s = tl.load(part + s * stride_os, mask=mask_h[:, None], other=0.0,
-                                      cache_modifier=".cg")  # fmt: skip
-                        m_new = tl.maximum(m, lse_s)
-                        keep = tl.exp(m - m_new)
-                        w = tl.exp(lse_s - m_new)
-                        o = o * keep[:, None] + o_s * w[:, None]
-                        den = den * keep + w
-                        m = m_new
-                o = o / den[:, None]
+                # The last split: out = sum_s exp(lse_s - LSE) o_s / sum_s exp(lse_s - LSE).
+                # Every split's log-sum-exp in one load, then the partials (its own one
+                # re-read too) in a loop whose loads do not depend on each other, unrolled
+                # so several are in flight. Active splits hold >= 1 token, so every lse is
+                # finite. .cg: read at L2, past this SM's L1, which may hold stale lines of
+                # a buffer another launch used at the same address.
+                offs_s = tl.arange(0, BLOCK_S)
+                lse_all = tl.load(lse_row[:, None] + offs_s[None, :],
+                                  mask=mask_h[:, None] & (offs_s < active)[None, :],
+                                  other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+                top = tl.max(lse_all, axis=1)
+                top = tl.where(mask_h, top, 0.0)  # heads past H: no finite lse
+                w_all = tl.exp(lse_all - top[:, None])  # [BLOCK_H, BLOCK_S], 0 past active
+                o = tl.zeros((BLOCK_H, KVL), tl.float32)
+                for s in tl.range(0, active, loop_unroll_factor=MERGE_UNROLL):
+                    w_s = tl.sum(tl.where(offs_s[None, :] == s, w_all, 0.0), axis=1)
+                    o_s = tl.load(part + s * stride_os, mask=mask_h[:, None], other=0.0,
+                                  cache_modifier=".cg")  # fmt: skip
+                    o += o_s * w_s[:, None]
+                o = o / tl.sum(w_all, axis=1)[:, None]
                 tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
                 tl.atomic_xchg(counter, 0)  # zero again for the next launch

@@ -112,6 +112,7 @@ def mla_decode(
         o_part.stride(0), o_part.stride(1), o_part.stride(2) if num_splits > 1 else 0,
         lse.stride(0), lse.stride(1),
         KVL=kvl, R=r, BS=kv_cache.shape[1], NUM_SPLITS=num_splits,
+        BLOCK_S=next_pow2(num_splits), MERGE_UNROLL=min(4, num_splits),
         BLOCK_H=block_h, BLOCK_T=block_t, F32_DOT=interpreting(),
         num_warps=num_warps or default_num_warps(kvl, num_splits), num_stages=num_stages,
     )  # fmt: skip

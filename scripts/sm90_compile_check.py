@@ -1,0 +1,100 @@
+"""Offline check (no GPU needed): compile the decode-path kernels for sm_90 at the engine's
+Moonlight launch constants and print each one's registers, spills and shared memory, as
+ptxas reports them.
+
+Why: the interpreter runs kernels as Python and never meets the real compiler, so a kernel
+can pass every CPU test and still fail to compile (or spill) on the GPU, where device time
+is scarce. Run it with the GPU image's triton (a venv with triton 3.6 and a CPU torch):
+
+    /tmp/t36/bin/python scripts/sm90_compile_check.py
+
+A kernel that does not compile raises here with the compiler's message.
+"""
+
+from __future__ import annotations
+
+import re
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from kernels.triton import _mla_decode_kernels, mla_cache, moe_prologue  # noqa: E402
+
+PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
+
+
+def _signature(fn, pointers: dict, constexprs: dict) -> dict:
+    """Every parameter: pointers as given, constexprs, the rest i32 (sizes, strides)."""
+    sig = {}
+    for name in fn.arg_names:
+        if name in constexprs:
+            sig[name] = "constexpr"
+        else:
+            sig[name] = pointers.get(name, "fp32" if name in ("scale", "scaling", "eps") else "i32")
+    return sig
+
+
+def compile_report(label: str, fn, pointers: dict, constexprs: dict, warps: int, stages: int):
+    sig = _signature(fn, pointers, constexprs)
+    names = list(sig)
+    ptr_args = [n for n in names if sig[n].startswith("*")]
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in ptr_args}
+    src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
+    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                              options=dict(num_warps=warps, num_stages=stages))  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        ptx = Path(tmp) / "k.ptx"
+        ptx.write_text(compiled.asm["ptx"])
+        out = subprocess.run([str(PTXAS), "-arch=sm_90a", "-v", str(ptx), "-o",
+                              str(Path(tmp) / "k.cubin")], capture_output=True, text=True)  # fmt: skip
+    info = out.stderr + out.stdout
+    regs = re.search(r"Used (\d+) registers", info)
+    spill = re.search(r"(\d+) bytes spill stores, (\d+) bytes spill loads", info)
+    print(f"{label:48} regs {regs.group(1) if regs else '?':>4}  "
+          f"spill st/ld {spill.group(1) if spill else '?'}/{spill.group(2) if spill else '?'}  "
+          f"shared {compiled.metadata.shared} B")  # fmt: skip
+
+
+def main() -> None:
+    print(f"triton {triton.__version__}, sm_90")
+    # MLA decode at batch 1 (4 and 16 splits) and batch 256 (one split)
+    mla_ptrs = dict(qc_ptr="*bf16", qr_ptr="*bf16", cache_ptr="*bf16", block_tables_ptr="*i32",
+                    ctx_lens_ptr="*i32", out_ptr="*bf16", o_part_ptr="*fp32", lse_ptr="*fp32",
+                    counters_ptr="*i32")  # fmt: skip
+    for splits, warps in ((4, 8), (16, 8), (1, 4)):
+        meta = dict(KVL=512, R=64, BS=16, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
+                    MERGE_UNROLL=min(4, splits), BLOCK_H=16, BLOCK_T=32, F32_DOT=False)  # fmt: skip
+        compile_report(f"mla_decode splits={splits} warps={warps}",
+                       _mla_decode_kernels.mla_decode_kernel, mla_ptrs, meta, warps, 2)  # fmt: skip
+    # the MLA decode prologue with the W_UK absorption (Moonlight: 16 heads, nope 128)
+    rope_ptrs = dict(q_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", cos_ptr="*fp32",
+                     sin_ptr="*fp32", norm_w_ptr="*bf16", cache_ptr="*bf16", slot_ptr="*i64",
+                     qn_ptr="*bf16", w_uk_ptr="*bf16", qc_ptr="*bf16")  # fmt: skip
+    for absorb in (False, True):
+        meta = dict(HALF=32, INTERLEAVED=True, BLOCK_H=16, BLOCK_J=32, BLOCK_C=512,
+                    ABSORB=absorb, NOPE=128, BLOCK_L=mla_cache.ABSORB_BLOCK_L,
+                    BLOCK_T=mla_cache.ABSORB_BLOCK_T, F32_DOT=False)  # fmt: skip
+        compile_report(f"mla_rope_cache absorb={absorb}", mla_cache.mla_rope_cache_kernel,
+                       rope_ptrs, meta, 4, 1)  # fmt: skip
+    # the MoE prologue at batch 1 (Moonlight: 64 experts top-6, sigmoid with bias, no groups)
+    pro_ptrs = dict(x_ptr="*bf16", w_ptr="*fp32", bias_ptr="*fp32", logits_ptr="*fp32",
+                    counters_ptr="*i32", ids_ptr="*i32", weights_ptr="*fp32", sorted_ptr="*i32",
+                    block_expert_ptr="*i32", xq_ptr="*i32", xs_ptr="*fp32", acc_ptr="*fp32")  # fmt: skip
+    for block_m, quant in ((1, True), (16, False)):
+        meta = dict(SCORING=0, HAS_BIAS=True, N_GROUP=1, TOPK_GROUP=1, TOP_K=6, NORM=True,
+                    BLOCK_E=64, BLOCK_G=1, BLOCK_K=8, GEMV_E=1, BLOCK_D=2048, BLOCK_M=block_m,
+                    CHUNK=16, TILES=16, QUANT=quant, QBLOCK=moe_prologue.QUANT_BLOCK,
+                    ZBLOCK=4096)  # fmt: skip
+        compile_report(f"moe_prologue block_m={block_m} quant={quant}",
+                       moe_prologue.moe_prologue_kernel, pro_ptrs, meta, 4, 3)  # fmt: skip
+
+
+if __name__ == "__main__":
+    main()
