@@ -9,13 +9,16 @@ independent except router -> grouping, which an arrival counter orders inside th
 
   programs [0, T * blocks)      gate GEMV of (token, block of experts) -> logits scratch;
                                 a token's last block routes its row (route_split_row);
-                                the last token routed groups all pairs (align_pairs)
+                                the last token routed groups all pairs (align_pairs),
+                                unless tiles hold one pair (the int8 kernels' BLOCK_M = 1):
+                                then pair order is a grouping, and the ids the tile map
   next T * cdiv(D, QBLOCK)      int8 x 4 words and scales of x (QUANT only)
   the rest                      zero the accumulator, ZBLOCK floats each
 
 The results are what moe_gate_route, moe_align(zero=acc) and the int8 path's activation
-quantization give; fused_moe takes them through `prologue=` instead of launching its own.
-Decode sizes only (PROLOGUE_MAX_TOKENS): one program groups every pair.
+quantization give (at BLOCK_M = 1 the pairs keep their own order, an equally valid
+grouping); fused_moe takes them through `prologue=` instead of launching its own. Decode
+sizes only (PROLOGUE_MAX_TOKENS): one program groups every pair.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def moe_prologue_kernel(
     ids_ptr,  # [T, TOP_K] int32 out
     weights_ptr,  # [T, TOP_K] float32 out
     sorted_ptr,  # [max_blocks * BLOCK_M] int32 out
-    block_expert_ptr,  # [max_blocks] int32 out
+    block_expert_ptr,  # [max_blocks] int32 out (BLOCK_M > 1; else the ids are)
     xq_ptr,  # [T, D/4] int32 out (QUANT)
     xs_ptr,  # [T, D/32] float32 out (QUANT)
     acc_ptr,  # [T * D] float32, zeroed
@@ -117,14 +120,22 @@ def moe_prologue_kernel(
             ids_ptr + t * TOP_K, weights_ptr + t * TOP_K, E, scaling,
             SCORING, HAS_BIAS, N_GROUP, TOPK_GROUP, TOP_K, NORM, BLOCK_E, BLOCK_G, BLOCK_K,
         )  # fmt: skip
-        if routed:
-            tl.debug_barrier()  # the token's ids stored by every thread before the release
-            everyone = counters_ptr + T
-            if tl.atomic_add(everyone, 1, sem="acq_rel", scope="gpu") == T - 1:
-                # Every token is routed: group the pairs (ids read at L2, see route_split_row).
-                align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, T * TOP_K, E, max_blocks,
-                            BLOCK_M, BLOCK_E, CHUNK, TILES, ".cg")  # fmt: skip
-                tl.atomic_xchg(everyone, 0)
+        if BLOCK_M > 1:
+            if routed:
+                tl.debug_barrier()  # the token's ids stored by every thread before the release
+                everyone = counters_ptr + T
+                if tl.atomic_add(everyone, 1, sem="acq_rel", scope="gpu") == T - 1:
+                    # Every token is routed: group the pairs (ids read at L2, as the logits).
+                    align_pairs(ids_ptr, sorted_ptr, block_expert_ptr, T * TOP_K, E,
+                                max_blocks, BLOCK_M, BLOCK_E, CHUNK, TILES, ".cg")  # fmt: skip
+                    tl.atomic_xchg(everyone, 0)
+        elif pid % blocks == 0:
+            # One pair per tile: the pairs in their own order are a grouping (tile p holds
+            # pair p, of expert ids[p]: block_expert is the ids themselves), so nothing
+            # waits for the routing.
+            offs_k = tl.arange(0, BLOCK_K)
+            pairs = t * TOP_K + offs_k
+            tl.store(sorted_ptr + pairs, pairs.to(tl.int32), mask=offs_k < TOP_K)
         return
     pid -= T * blocks
     if QUANT:
@@ -171,7 +182,9 @@ def moe_prologue(
     ids = torch.empty((t, top_k), dtype=torch.int32, device=device)
     weights = torch.empty((t, top_k), dtype=torch.float32, device=device)
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
-    block_expert = torch.empty(max_blocks, dtype=torch.int32, device=device)
+    # one pair per tile (max_blocks = P): tile p is pair p, its expert ids[p]
+    block_expert = ids.view(-1) if block_m == 1 else torch.empty(max_blocks, dtype=torch.int32,
+                                                                 device=device)  # fmt: skip
     acc = torch.empty((t, d), dtype=torch.float32, device=device)
     logits = torch.empty((t, e), dtype=torch.float32, device=device)
     counters = arrival_counters(device, t + 1)
