@@ -160,22 +160,33 @@ def moe_forward(moe: DeepseekMoE, x: torch.Tensor) -> torch.Tensor:
     """DeepseekMoE.forward on CUDA: x [T, D] -> [T, D]. On the fused path the result is
     the kernels' float32 accumulator: the next step is always the pre-norm residual add
     (the fused RMSNorm takes a float32 x), so a cast launch per layer is saved."""
+    from kernels.triton.fused_moe import start_shared_expert
+
     gate = moe.gate
     x = x.contiguous()
-    prologue = moe_prologue(moe, x)
-    if prologue is not None:
-        weights, ids = prologue.topk_weights, prologue.topk_ids
-    else:
-        weights, ids = route(gate.spec, x, gate.weight, gate.e_score_correction_bias)
-    if moe.routing_recorder is not None:
-        moe.routing_recorder.record(moe.layer_index, ids, moe.experts.bytes_per_expert())
     # At decode sizes the fused kernels add the shared expert into the routed experts'
     # accumulator (two launches instead of gate, up, silu, mul, down and the add). Larger
     # T is arithmetic, where cuBLAS's tiles beat the fused kernel's narrow DENSE ones.
     shared = getattr(moe, "cuda_shared", None) if x.shape[0] <= SHARED_FUSED_MAX_TOKENS else None
     stream = getattr(moe, "cuda_shared_stream", None)  # None off CUDA (prepare_model)
-    out = routed_experts(moe.experts, x, weights, ids, shared, stream, prologue)
-    if moe.shared_experts is not None and (shared is None or not _uses_kernels(moe.experts, x)):
+    fused = _uses_kernels(moe.experts, x)
+    # On its own stream the shared expert's gate+up starts now, beside the routing: it
+    # needs only x (its down waits in fused_moe for the zeroed accumulator).
+    side = fused and shared is not None and stream is not None
+    pending = start_shared_expert(x, shared, stream) if side else None
+    try:
+        prologue = moe_prologue(moe, x)
+        if prologue is not None:
+            weights, ids = prologue.topk_weights, prologue.topk_ids
+        else:
+            weights, ids = route(gate.spec, x, gate.weight, gate.e_score_correction_bias)
+        if moe.routing_recorder is not None:
+            moe.routing_recorder.record(moe.layer_index, ids, moe.experts.bytes_per_expert())
+        out = routed_experts(moe.experts, x, weights, ids, pending or shared, stream, prologue)
+    finally:
+        if pending is not None:
+            pending.join()
+    if moe.shared_experts is not None and (shared is None or not fused):
         out = out + moe.shared_experts(x)
     return out
 

@@ -77,6 +77,33 @@ class SharedExpert:
     w2_scale: torch.Tensor | None = None
 
 
+@dataclass
+class PendingSharedExpert:
+    """A shared expert whose gate+up runs on a side stream (start_shared_expert); passed
+    to fused_moe as `shared`, its down adds into the accumulator on the same stream."""
+
+    shared: SharedExpert
+    stream: torch.cuda.Stream
+    h: torch.Tensor  # [T, Is] its gate+up output, written on `stream`
+
+    def join(self) -> None:
+        """The caller's stream waits for the side stream (idempotent)."""
+        torch.cuda.current_stream(self.h.device).wait_stream(self.stream)
+
+
+def start_shared_expert(
+    x: torch.Tensor, shared: SharedExpert, stream: torch.cuda.Stream
+) -> PendingSharedExpert:
+    """Launch the shared expert's gate+up on `stream` once x is ready, so that it runs
+    beside whatever the caller launches next (the routing, the routed experts). The caller
+    must join it (fused_moe does, or PendingSharedExpert.join) before x or the result is
+    reused."""
+    stream.wait_stream(torch.cuda.current_stream(x.device))  # x is ready
+    with torch.cuda.stream(stream):
+        h = _shared_gate_up(x, shared, x.shape[1], lane="shared_expert")
+    return PendingSharedExpert(shared, stream, h)
+
+
 def dense_config(num_tokens: int, d: int, i: int, fmt: str, device=None) -> dict:
     """Shared-expert launches at decode sizes (the caller keeps larger T on cuBLAS): the
     tuned entry for one expert taken by every token (`bench kernels` times it as a routed
@@ -171,7 +198,7 @@ def fused_moe(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     config: dict | None = None,
-    shared: SharedExpert | None = None,
+    shared: SharedExpert | PendingSharedExpert | None = None,
     out_dtype: torch.dtype | None = None,
     shared_stream: torch.cuda.Stream | None = None,
     prologue: MoePrologue | None = None,
@@ -186,6 +213,8 @@ def fused_moe(
     routed experts' (both add into the accumulator with atomics once moe_align has zeroed
     it). At a few tokens every launch here is latency-bound, far under the bandwidth, so
     the two chains overlap; the caller's stream waits for the side stream before return.
+    A PendingSharedExpert (start_shared_expert's) as `shared`: its gate+up already runs on
+    its stream, from before the caller's routing; its down joins the accumulator here.
 
     prologue: moe_prologue's launch already routed (topk_weights and topk_ids are then
     its own), grouped the pairs for `config` (choose_config's), quantized x if that is an
@@ -226,12 +255,16 @@ def fused_moe(
     s2, *s2_strides = _scale_args(w2, w2_scale, expert_dim=True)
     meta = _launch_meta(cfg) if cfg.get("KERNEL") != "int8" else {}
     pairs, groups = align.sorted_pairs, align.block_expert
-    side = shared is not None and shared_stream is not None
+    pending = shared if isinstance(shared, PendingSharedExpert) else None
+    inline = shared if pending is None and shared_stream is None else None  # on this stream
     try:  # the join runs even if a launch raises: y must outlive the side stream's atomics
-        if side:
-            shared_stream.wait_stream(torch.cuda.current_stream(x.device))  # x ready, y zeroed
-            with torch.cuda.stream(shared_stream):
-                _shared_down(_shared_gate_up(x, shared, d, lane="shared_expert"), shared, y)
+        if pending is None and shared is not None and shared_stream is not None:
+            pending = start_shared_expert(x, shared, shared_stream)
+        if pending is not None:
+            # y is zeroed (moe_align or the prologue, launched before on this stream)
+            pending.stream.wait_stream(torch.cuda.current_stream(x.device))
+            with torch.cuda.stream(pending.stream):
+                _shared_down(pending.h, pending.shared, y)
         if int8:
             xq, xs = x_int8 if x_int8 is not None else _act_quant_int8(x)
             hq = torch.empty((p, i // 4), dtype=torch.int32, device=x.device)
@@ -252,8 +285,8 @@ def fused_moe(
                 TOPK=top_k, WFMT=_wfmt(fmt, w13_scale), DENSE=False,
                 GU_SPLIT_K=cfg.get("GU_SPLIT_K", 1), **meta,
             )  # fmt: skip
-        if shared is not None and not side:
-            h_shared = _shared_gate_up(x, shared, d)
+        if inline is not None:
+            h_shared = _shared_gate_up(x, inline, d)
         if int8:
             moe_down_int8_kernel[(max_blocks, triton.cdiv(d, cfg["BLOCK_N"]))](
                 hq, hs, w2_words, s2, route_w, y, pairs, groups,
@@ -272,11 +305,11 @@ def fused_moe(
                 h.stride(0), w2.stride(0), w2.stride(1), *s2_strides, y.stride(0),
                 TOPK=top_k, WFMT=_wfmt(fmt, w2_scale), DENSE=False, SPLIT_K=split, **meta,
             )  # fmt: skip
-        if shared is not None and not side:
-            _shared_down(h_shared, shared, y)
+        if inline is not None:
+            _shared_down(h_shared, inline, y)
     finally:
-        if side:
-            torch.cuda.current_stream(x.device).wait_stream(shared_stream)
+        if pending is not None:
+            pending.join()
     return y if out_dtype == torch.float32 else y.to(out_dtype or x.dtype)
 
 

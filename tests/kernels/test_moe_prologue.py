@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import kernels.triton.moe_prologue as prologue_module
-from kernels.triton.fused_moe import _act_quant_int8, fused_moe
+from kernels.triton.fused_moe import _act_quant_int8, fused_moe, start_shared_expert
 from kernels.triton.moe_align import moe_align_torch
 from kernels.triton.moe_prologue import PROLOGUE_MAX_TOKENS, moe_prologue
 from kernels.triton.moe_router import moe_gate_route
@@ -143,3 +143,46 @@ def test_prologue_gpu_moonlight_shape(t, block_m):
             xq, xs = _act_quant_int8(x)
             assert torch.equal(got.x_int8[0], xq) and torch.equal(got.x_int8[1], xs)
         assert not got.acc.any()
+
+
+@pytest.mark.gpu
+@gpu_only
+@pytest.mark.parametrize("t", [1, 8])
+def test_shared_expert_started_before_the_prologue(t):
+    # As the engine runs a decode-sized MoE: the shared expert's gate+up forks onto its
+    # stream before the prologue launch, its down joins the prologue's accumulator. Equal
+    # to the one-stream result, eagerly and replayed from a CUDA graph with new inputs.
+    args, kw = make_moe(t, d=2048, i=1408, e=64, a=6, fmt="mxfp4", seed=t)
+    x, w13, w2 = args[:3]
+    g = torch.Generator().manual_seed(t)
+    gate = (torch.randn(64, 2048, generator=g) / 45).to(DEVICE)
+    routing = _routing(64, 6, 1, 1, "sigmoid", True, g)
+    shared = random_shared(2048, 2816, "fp8", seed=t + 7)
+    cfg = dict(KERNEL="int8", BLOCK_M=1, BLOCK_N=64, BLOCK_K=256, num_warps=4)
+    side = torch.cuda.Stream()
+
+    def two_streams():
+        pending = start_shared_expert(x, shared, side)
+        try:
+            pro = moe_prologue(x, gate, block_m=1, quantize_int8=True, **routing)
+            return fused_moe(x, w13, w2, pro.topk_weights, pro.topk_ids, **kw, config=cfg,
+                             shared=pending, prologue=pro, out_dtype=torch.float32)  # fmt: skip
+        finally:
+            pending.join()
+
+    def one_stream():
+        ids, weights = moe_gate_route(x, gate, **routing)
+        return fused_moe(x, w13, w2, weights, ids, **kw, config=cfg, shared=shared,
+                         out_dtype=torch.float32)  # fmt: skip
+
+    eager = two_streams()
+    torch.cuda.current_stream().synchronize()
+    assert side.query()  # joined: the caller's stream waited for the side stream
+    assert rel_err(eager, one_stream()) < 1e-5  # float32 atomics: only the order differs
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        captured = two_streams()
+    x.copy_(torch.randn_like(x))
+    graph.replay()
+    torch.cuda.synchronize()
+    assert rel_err(captured, one_stream()) < 1e-5
