@@ -27,12 +27,24 @@ def machine_info() -> dict:
     return info
 
 
+def _command_line() -> str:
+    """The command as typed: `batchgen bench ...`, or `python -m batchgen.bench.<module>
+    ...` when a benchmark module ran directly (as on the GPU machine, with no install)."""
+    if not sys.argv:
+        return ""
+    args = " ".join(sys.argv[1:])
+    script = Path(sys.argv[0])
+    if script.suffix == ".py" and script.parent.name == "bench":
+        return f"python -m batchgen.bench.{script.stem} {args}".rstrip()
+    return f"batchgen {args}".rstrip()
+
+
 def write_result(name: str, payload: dict) -> Path:
     """Write data/benchmarks/<name>.json with machine, command and time stamped in."""
     BENCH_DIR.mkdir(parents=True, exist_ok=True)
     payload = {
         "machine": machine_info(),
-        "command": "batchgen " + " ".join(sys.argv[1:]) if sys.argv else "",
+        "command": _command_line(),
         "time": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         **payload,
     }
