@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.triton import _mla_decode_kernels, _moe_int8_kernels, mla_cache, moe_prologue  # noqa: E402
+from kernels.triton import _mla_decode_kernels, mla_cache, moe_prologue  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
@@ -94,20 +94,6 @@ def main() -> None:
                     ZBLOCK=4096)  # fmt: skip
         compile_report(f"moe_prologue block_m={block_m} quant={quant}",
                        moe_prologue.moe_prologue_kernel, pro_ptrs, meta, 4, 3)  # fmt: skip
-    # the int8 MXFP4 kernels at the H200's one-token tile, unsplit and split along K
-    gu_ptrs = dict(xq_ptr="*i32", xs_ptr="*fp32", w_ptr="*i32", ws_ptr="*u8", hq_ptr="*i32",
-                   hs_ptr="*fp32", sorted_pairs_ptr="*i32", block_expert_ptr="*i32",
-                   part_ptr="*fp32", counters_ptr="*i32")  # fmt: skip
-    down_ptrs = dict(hq_ptr="*i32", hs_ptr="*fp32", w_ptr="*i32", ws_ptr="*u8",
-                     topk_weights_ptr="*fp32", y_ptr="*fp32", sorted_pairs_ptr="*i32",
-                     block_expert_ptr="*i32")  # fmt: skip
-    for split in (1, 4):
-        meta = dict(TOPK=6, BLOCK_N=32, BLOCK_K=512, ASM=True)
-        compile_report(f"moe_gate_up_int8 GU_SPLIT_K={split}",
-                       _moe_int8_kernels.moe_gate_up_int8_kernel, gu_ptrs,
-                       dict(meta, GU_SPLIT_K=split), 8, 1)  # fmt: skip
-        compile_report(f"moe_down_int8 SPLIT_K={split}", _moe_int8_kernels.moe_down_int8_kernel,
-                       down_ptrs, dict(meta, SPLIT_K=split), 8, 1)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -105,8 +105,7 @@ def loop_instructions(fn, signature: dict, constexprs: dict, warps: int = 4) -> 
 _I32, _U8, _F32, _BF16 = "*i32", "*u8", "*fp32", "*bf16"
 _SIZES = dict(num_pairs="i32", D="i32", I="i32")
 INT8_GATE_UP = dict(xq_ptr=_I32, xs_ptr=_F32, w_ptr=_I32, ws_ptr=_U8, hq_ptr=_I32, hs_ptr=_F32,
-                    sorted_pairs_ptr=_I32, block_expert_ptr=_I32, part_ptr=_F32,
-                    counters_ptr=_I32, **_SIZES,
+                    sorted_pairs_ptr=_I32, block_expert_ptr=_I32, **_SIZES,
                     **{f"stride_{s}": "i32" for s in ("xq", "xs", "we", "wn", "wse", "wsn", "hq",
                                                      "hs")})  # fmt: skip
 INT8_DOWN = dict(hq_ptr=_I32, hs_ptr=_F32, w_ptr=_I32, ws_ptr=_U8, topk_weights_ptr=_F32,
@@ -127,12 +126,11 @@ def main() -> None:
     print(f"  MMA gate+up, 64 rows x 128: {n} for 64 weights, {n / 64:.2f} per weight")
     for block_n, block_k in ((32, 256), (64, 256), (64, 512)):
         meta = dict(TOPK=6, BLOCK_N=block_n, BLOCK_K=block_k, ASM=True)
-        for name, fn, sig, rows, split in (
-            ("gate+up", _moe_int8_kernels.moe_gate_up_int8_kernel, INT8_GATE_UP, 2 * block_n,
-             "GU_SPLIT_K"),
-            ("down", _moe_int8_kernels.moe_down_int8_kernel, INT8_DOWN, block_n, "SPLIT_K"),
-        ):  # fmt: skip
-            n = loop_instructions(fn, sig, dict(meta, **{split: 1}))[0]
+        for name, fn, sig, rows in (("gate+up", _moe_int8_kernels.moe_gate_up_int8_kernel,
+                                     INT8_GATE_UP, 2 * block_n),
+                                    ("down", _moe_int8_kernels.moe_down_int8_kernel, INT8_DOWN,
+                                     block_n)):  # fmt: skip
+            n = loop_instructions(fn, sig, meta)[0]
             weights = rows * block_k // 128
             print(
                 f"  int8 {name}, {block_n} x {block_k}: {n} for {weights} weights, "

@@ -30,9 +30,6 @@ from batchgen.bench.common import write_result
 ROUTINGS = 8
 # --tune sweeps only decode shapes (the bandwidth goals); larger ones keep the heuristic.
 TUNE_MAX_TOKENS = 8
-# (gate+up, down) splits along K the tuner tries on the best int8 tile: at one token its
-# programs are few and each walks its K steps one dependent load after another.
-INT8_SPLITS = [(g, s) for g in (1, 2, 4) for s in (1, 2, 4) if (g, s) != (1, 1)]
 # Token counts up to which --tune offers the MXFP4 int8 kernels (one pair per program).
 INT8_MAX_TOKENS = 8
 
@@ -188,14 +185,8 @@ def bench_moe(
                          else _prefill_candidates(cfg))  # fmt: skip
             else:
                 cands = _moe_candidates(cfg, case.fmt)
-
-            def make_call(c, x=x, r=routings):
-                return graphed(_moe_calls(fused_moe, x, weights, r, fmt=case.fmt, config=c))
-
-            cfg = _tune(make_call, cands)
-            if cfg.get("KERNEL") == "int8":  # then its splits along K, on the winning tile
-                cfg = _tune(make_call, [cfg] + [dict(cfg, GU_SPLIT_K=g, SPLIT_K=s)
-                                               for g, s in INT8_SPLITS])  # fmt: skip
+            cfg = _tune(lambda c, x=x, r=routings: graphed(
+                _moe_calls(fused_moe, x, weights, r, fmt=case.fmt, config=c)), cands)  # fmt: skip
             tuned[shape_key(t, case.top_k, case.e, case.d, case.i, case.fmt)] = cfg
         calls = _moe_calls(fused_moe, x, weights, routings, fmt=case.fmt, config=cfg)
         ms = time_graphed(calls)

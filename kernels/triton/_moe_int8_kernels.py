@@ -180,16 +180,6 @@ def _scaled_step(acc, w_rows, ws_rows, mask_n, xq_row, xs_row, k0, K, BLOCK_K: t
 
 
 @triton.jit
-def _k_range(K, BLOCK_K: tl.constexpr, SPLITS: tl.constexpr):
-    """[k_lo, k_hi) of this program's split (grid axis 2) of K's BLOCK_K steps."""
-    if SPLITS == 1:
-        return 0, K
-    steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLITS)
-    k_lo = tl.program_id(2) * steps * BLOCK_K
-    return k_lo, tl.minimum(k_lo + steps * BLOCK_K, K)
-
-
-@triton.jit
 def _tile_pair(sorted_pairs_ptr, block_expert_ptr, num_pairs):
     """(expert, pair) of this program's tile: moe_align with BLOCK_M = 1 gives one pair
     per tile and no padding pairs, but keep the check should its padding change; -1 for
@@ -211,8 +201,6 @@ def moe_gate_up_int8_kernel(
     hs_ptr,  # [P, I/32] float32 out: its scales
     sorted_pairs_ptr,  # [max_blocks] int32 (moe_align, BLOCK_M = 1)
     block_expert_ptr,  # [max_blocks] int32, -1: unused tile
-    part_ptr,  # [GU_SPLIT_K, P, 2I] float32 partial gate and up sums (GU_SPLIT_K > 1)
-    counters_ptr,  # [max_blocks * cdiv(I, BLOCK_N)] int32, zero between launches
     # sizes
     num_pairs,
     D,
@@ -230,7 +218,6 @@ def moe_gate_up_int8_kernel(
     TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,  # units per program (their gate and their up rows), 32 | BLOCK_N
     BLOCK_K: tl.constexpr,  # weights per K step, a multiple of 32
-    GU_SPLIT_K: tl.constexpr,  # programs along D per tile; the last to finish sums them
     ASM: tl.constexpr,
 ):
     expert, pair = _tile_pair(sorted_pairs_ptr, block_expert_ptr, num_pairs)
@@ -244,35 +231,13 @@ def moe_gate_up_int8_kernel(
     ws_e = ws_ptr + expert.to(tl.int64) * stride_wse
     gate_w, up_w = w_e + units[:, None] * stride_wn, w_e + (units + I)[:, None] * stride_wn
     gate_s, up_s = ws_e + units[:, None] * stride_wsn, ws_e + (units + I)[:, None] * stride_wsn
-    k_lo, k_hi = _k_range(D, BLOCK_K, GU_SPLIT_K)
     acc_g = tl.zeros([BLOCK_N, BLOCK_K // 32], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K // 32], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, D, BLOCK_K):
         acc_g = _scaled_step(acc_g, gate_w, gate_s, mask_n, xq_row, xs_row, k0, D, BLOCK_K, ASM)
         acc_u = _scaled_step(acc_u, up_w, up_s, mask_n, xq_row, xs_row, k0, D, BLOCK_K, ASM)
     gate = tl.sum(acc_g, axis=1)  # [BLOCK_N]
-    up = tl.sum(acc_u, axis=1)
-    if GU_SPLIT_K > 1:
-        # Each split stores its partial sums and counts itself in; the last one of the
-        # tile adds all of them in split order (deterministic) and carries on alone. More
-        # programs, each with fewer dependent K steps: at one token the launch is bound by
-        # the latency of its loads, not by their bytes.
-        part = part_ptr + pair * (2 * I) + units
-        split_stride = num_pairs * 2 * I
-        tl.store(part + tl.program_id(2) * split_stride, gate, mask=mask_n)
-        tl.store(part + tl.program_id(2) * split_stride + I, up, mask=mask_n)
-        tl.debug_barrier()  # every thread's partials stored before the counter's release
-        counter = counters_ptr + tl.program_id(0) * tl.num_programs(1) + tl.program_id(1)
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") != GU_SPLIT_K - 1:
-            return
-        gate = tl.zeros([BLOCK_N], tl.float32)
-        up = tl.zeros([BLOCK_N], tl.float32)
-        for s in tl.static_range(GU_SPLIT_K):  # .cg: at L2, past this SM's stale L1 lines
-            gate += tl.load(part + s * split_stride, mask=mask_n, other=0.0, cache_modifier=".cg")
-            up += tl.load(part + s * split_stride + I, mask=mask_n, other=0.0,
-                          cache_modifier=".cg")  # fmt: skip
-        tl.atomic_xchg(counter, 0)  # zero again for the next launch
-    h = gate * tl.sigmoid(gate) * up
+    h = gate * tl.sigmoid(gate) * tl.sum(acc_u, axis=1)
     # Quantized here for the down kernel: this program holds whole 32-unit blocks.
     words, scale = quantize_int8_words(h[None, :], 1, BLOCK_N)
     offs_q = tl.program_id(1) * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)
@@ -308,7 +273,6 @@ def moe_down_int8_kernel(
     TOPK: tl.constexpr,
     BLOCK_N: tl.constexpr,  # output rows (of D) per program
     BLOCK_K: tl.constexpr,
-    SPLIT_K: tl.constexpr,  # programs along I per tile, meeting in the combine's atomics
     ASM: tl.constexpr,
 ):
     expert, pair = _tile_pair(sorted_pairs_ptr, block_expert_ptr, num_pairs)
@@ -319,11 +283,8 @@ def moe_down_int8_kernel(
     mask_n = rows < D
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + rows[:, None] * stride_wn
     ws_rows = ws_ptr + expert.to(tl.int64) * stride_wse + rows[:, None] * stride_wsn
-    k_lo, k_hi = _k_range(I, BLOCK_K, SPLIT_K)
-    if k_lo >= k_hi:  # a split past the last K step
-        return
     acc = tl.zeros([BLOCK_N, BLOCK_K // 32], tl.float32)
-    for k0 in range(k_lo, k_hi, BLOCK_K):
+    for k0 in range(0, I, BLOCK_K):
         acc = _scaled_step(acc, w_rows, ws_rows, mask_n, hq_row, hs_row, k0, I, BLOCK_K, ASM)
     out = tl.sum(acc, axis=1) * tl.load(topk_weights_ptr + pair)
     # The combine, as in moe_down_kernel: other experts' tiles add to the same token's

@@ -270,18 +270,12 @@ def fused_moe(
             hq = torch.empty((p, i // 4), dtype=torch.int32, device=x.device)
             hs = torch.empty((p, i // 32), dtype=torch.float32, device=x.device)
             w13_words, w2_words = w13.view(torch.int32), w2.view(torch.int32)
-            gu_split, n_tiles = cfg.get("GU_SPLIT_K", 1), triton.cdiv(i, cfg["BLOCK_N"])
-            if gu_split > 1:
-                part = torch.empty((gu_split, p, 2 * i), dtype=torch.float32, device=x.device)
-                counters = arrival_counters(x.device, max_blocks * n_tiles)
-            else:  # never read
-                part = counters = hq
-            moe_gate_up_int8_kernel[(max_blocks, n_tiles, gu_split)](
-                xq, xs, w13_words, s13, hq, hs, pairs, groups, part, counters,
+            moe_gate_up_int8_kernel[(max_blocks, triton.cdiv(i, cfg["BLOCK_N"]))](
+                xq, xs, w13_words, s13, hq, hs, pairs, groups,
                 p, d, i,
                 xq.stride(0), xs.stride(0), w13_words.stride(0), w13_words.stride(1), *s13_strides,
                 hq.stride(0), hs.stride(0),
-                TOPK=top_k, GU_SPLIT_K=gu_split, **_int8_meta(cfg),
+                TOPK=top_k, **_int8_meta(cfg),
             )  # fmt: skip
         else:
             moe_gate_up_kernel[(max_blocks, _gate_up_tiles(i, cfg), cfg.get("GU_SPLIT_K", 1))](
@@ -294,13 +288,12 @@ def fused_moe(
         if inline is not None:
             h_shared = _shared_gate_up(x, inline, d)
         if int8:
-            split = cfg.get("SPLIT_K", 1)
-            moe_down_int8_kernel[(max_blocks, triton.cdiv(d, cfg["BLOCK_N"]), split)](
+            moe_down_int8_kernel[(max_blocks, triton.cdiv(d, cfg["BLOCK_N"]))](
                 hq, hs, w2_words, s2, route_w, y, pairs, groups,
                 p, d, i,
                 hq.stride(0), hs.stride(0), w2_words.stride(0), w2_words.stride(1), *s2_strides,
                 y.stride(0),
-                TOPK=top_k, SPLIT_K=split, **_int8_meta(cfg),
+                TOPK=top_k, **_int8_meta(cfg),
             )  # fmt: skip
         else:
             # The down GEMM may split K (its partials meet in the atomic combine anyway): at a
@@ -347,9 +340,7 @@ def _check_config(cfg: dict, fmt: str) -> None:
             "int8 needs BLOCK_N a multiple of 32 (gate+up quantizes whole 32-unit blocks of "
             f"h), got {cfg['BLOCK_N']}"
         )
-        for key in ("GU_SPLIT_K", "SPLIT_K"):
-            assert int(cfg.get(key, 1)) >= 1, f"int8 {key} must be >= 1, got {cfg[key]}"
-        others = {"SWAP_AB", "MXFP4_DOT_SCALED", "MXFP4_ASM"} & set(cfg)
+        others = {"SWAP_AB", "GU_SPLIT_K", "SPLIT_K", "MXFP4_DOT_SCALED", "MXFP4_ASM"} & set(cfg)
         assert not others, f"options of the MMA kernels do not apply to the int8 ones: {others}"
         return
     if fmt == "fp8":

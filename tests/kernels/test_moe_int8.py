@@ -104,23 +104,6 @@ def test_int8_moe_matches_the_float_reference(t, a, e, block_n, block_k):
     assert rel_err(out, fused_moe_reference(*args, **kw)) < 3e-2
 
 
-@pytest.mark.parametrize("gu_split,split", [(2, 1), (3, 2), (4, 4)])
-def test_int8_moe_split_along_k_equals_unsplit(gu_split, split):
-    # D = 160 in 64-wide steps: 3 steps, so 4 splits leave one empty; I = 96: 2 steps.
-    # The gate+up splits meet in partials (the last sums them in split order), the down
-    # splits in the combine's atomics: float32 sums in another order only (which may move
-    # an element of h across an int8 rounding boundary: ~1e-4, far under a wrong sum's).
-    args, kw = make_moe(5, d=160, i=96, e=4, a=2, fmt="mxfp4", seed=11)
-    base = dict(INT8, BLOCK_N=32, BLOCK_K=64)
-    want = fused_moe(*args, **kw, config=base, out_dtype=torch.float32)
-    got = fused_moe(*args, **kw, config=dict(base, GU_SPLIT_K=gu_split, SPLIT_K=split),
-                    out_dtype=torch.float32)  # fmt: skip
-    assert rel_err(got, want) < 1e-3
-    again = fused_moe(*args, **kw, config=dict(base, GU_SPLIT_K=gu_split, SPLIT_K=split),
-                      out_dtype=torch.float32)  # fmt: skip
-    assert rel_err(again, want) < 1e-3  # the arrival counters were left at zero
-
-
 def test_int8_moe_with_the_shared_expert_and_float32_out():
     args, kw = make_moe(3, d=128, i=64, e=4, a=2, fmt="mxfp4", seed=4)
     shared = random_shared(128, 64, "fp8", seed=5)
@@ -146,8 +129,7 @@ def test_int8_configs_are_checked():
     for bad, match in ((dict(INT8, BLOCK_M=2), "one pair per tile"),
                        (dict(INT8, BLOCK_N=16), "multiple of 32"),
                        (dict(INT8, BLOCK_N=96), "power of 2"),
-                       (dict(INT8, SWAP_AB=True), "do not apply"),
-                       (dict(INT8, SPLIT_K=0), "SPLIT_K must be >= 1")):  # fmt: skip
+                       (dict(INT8, SWAP_AB=True), "do not apply")):  # fmt: skip
         with pytest.raises(AssertionError, match=match):
             fused_moe(*args, **kw, config=bad)
     bf16_args, bf16_kw = make_moe(2, d=64, i=64, e=3, a=2, fmt="bf16", seed=1)
@@ -182,7 +164,3 @@ def test_int8_moe_gpu_moonlight_shape_and_ptx_equals_plain_integers(t):
     # integer dots, so equal up to the order of the combine's float32 atomics.
     plain = fused_moe(*args, **kw, config=dict(cfg, INT8_ASM=False), out_dtype=torch.float32)
     assert rel_err(out, plain) < 1e-6
-    # split along K (the tuner's options at one token): the same sums in another order
-    split = fused_moe(*args, **kw, config=dict(cfg, BLOCK_K=512, GU_SPLIT_K=4, SPLIT_K=3),
-                      out_dtype=torch.float32)  # fmt: skip
-    assert rel_err(split, out) < 1e-3
