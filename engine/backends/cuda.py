@@ -4,9 +4,12 @@ input is a CUDA tensor. One dispatch line in each layer leads here:
   RMSNorm.forward              -> rmsnorm             Triton, residual add fused
   Fp8BlockFormat.apply         -> fp8_linear          Triton, E4M3 decoded in registers (or
                                                       FP8 x FP8, EngineConfig.fp8_native_min_tokens)
-  DeepseekMoE.forward          -> moe_forward         router kernel + fused MoE (bf16/FP8/MXFP4)
+  DeepseekMoE.forward          -> moe_forward         router kernel + fused MoE (bf16/FP8/MXFP4);
+                                                      at decode sizes one prologue launch for
+                                                      routing, grouping and quantization
   MultiLatentAttention.forward -> mla_decode_forward  (decode steps) one kernel for rope, latent
-                                                      norm and cache write; absorbed MLA decode
+                                                      norm, cache write and (small T) the W_UK
+                                                      absorption; absorbed MLA decode
 
 Legend: T = tokens in the step, H = heads, N = qk_nope_head_dim, P = qk_rope_head_dim,
 R = kv_lora_rank, V = v_head_dim, D = hidden, I = expert intermediate, E = experts,

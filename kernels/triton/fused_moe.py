@@ -6,7 +6,8 @@ P = T*A (token, expert) pairs.
 
   1. moe_align groups the P pairs by expert, padded to BLOCK_M tiles (one Triton launch
      for one chunk of pairs, two above; no sync), and zeroes the float32 accumulator
-     y [T, D] in the same launch.
+     y [T, D] in the same launch. At decode sizes the caller may instead pass
+     moe_prologue's result, whose one launch also routed the tokens (`prologue=`).
   2. gate+up: one GEMM over the stacked [E, 2I, D] weight (gate rows first, then up),
      SiLU(gate) * up fused in the epilogue -> h [P, I].
   3. down: h @ W2[e]^T over [E, D, I], times the pair's routing weight, atomically added
