@@ -28,6 +28,7 @@ def _attend_chunk(
     BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr,
     F32_DOT: tl.constexpr,
+    PREFETCH_PAGES: tl.constexpr,
 ):
     """Online softmax over cache slots [start, end): (acc [BLOCK_H, KVL] unnormalised,
     running max m [BLOCK_H], running sum l [BLOCK_H])."""
@@ -36,10 +37,23 @@ def _attend_chunk(
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, KVL), tl.float32)
+    pages = block_tables_ptr + b * stride_bt
+    # Triton does not pipeline this loop (its tile loads hang off the page-index loads).
+    # PREFETCH_PAGES loads each tile's page indices one iteration ahead, beside the previous
+    # tile's data: one DRAM round trip per tile instead of two dependent ones, for ~20
+    # registers (a few programs streaming a short sequence each; where one program per
+    # sequence fills the GPU, those registers would spill and other programs hide latency).
+    offs_t = start + tl.arange(0, BLOCK_T)
+    page_next = tl.load(pages + offs_t // BS, mask=(offs_t < end) & PREFETCH_PAGES, other=0)
     for t0 in range(start, end, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < end
-        page = tl.load(block_tables_ptr + b * stride_bt + offs_t // BS, mask=mask_t, other=0)
+        if PREFETCH_PAGES:
+            page = page_next
+            offs_n = offs_t + BLOCK_T
+            page_next = tl.load(pages + offs_n // BS, mask=offs_n < end, other=0)
+        else:
+            page = tl.load(pages + offs_t // BS, mask=mask_t, other=0)
         row = cache_ptr + page.to(tl.int64) * stride_cblk + (offs_t % BS) * stride_cslot
         c = tl.load(row[:, None] + offs_c[None, :], mask=mask_t[:, None], other=0.0)  # [T, KVL]
         kr = tl.load(row[:, None] + KVL + offs_r[None, :], mask=mask_t[:, None], other=0.0)
@@ -126,7 +140,7 @@ def mla_decode_kernel(
         acc, m_i, l_i = _attend_chunk(
             qc, qr, cache_ptr, block_tables_ptr, b, start, end, scale,
             stride_cblk, stride_cslot, stride_bt,
-            KVL, R, BS, BLOCK_H, BLOCK_T, F32_DOT,
+            KVL, R, BS, BLOCK_H, BLOCK_T, F32_DOT, NUM_SPLITS > 1,
         )  # fmt: skip
         has = l_i > 0  # false only for a zero-length context
         l_safe = tl.where(has, l_i, 1.0)
