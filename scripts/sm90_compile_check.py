@@ -25,7 +25,7 @@ from triton.compiler import ASTSource
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-from kernels.triton import _mla_decode_kernels, mla_cache, moe_prologue  # noqa: E402
+from kernels.triton import _mla_decode_kernels, _moe_int8_kernels, mla_cache, moe_prologue  # noqa: E402
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
 
@@ -90,7 +90,7 @@ def main() -> None:
     for block_m, quant in ((1, True), (16, False)):
         meta = dict(SCORING=0, HAS_BIAS=True, N_GROUP=1, TOPK_GROUP=1, TOP_K=6, NORM=True,
                     BLOCK_E=64, BLOCK_G=1, BLOCK_K=8, GEMV_E=1, BLOCK_D=2048, BLOCK_M=block_m,
-                    CHUNK=16, TILES=16, QUANT=quant, QBLOCK=moe_prologue.QUANT_BLOCK,
+                    CHUNK=16, TILES=16, QUANT=quant, QBLOCK=_moe_int8_kernels.INT8_QUANT_BLOCK,
                     ZBLOCK=4096)  # fmt: skip
         compile_report(f"moe_prologue block_m={block_m} quant={quant}",
                        moe_prologue.moe_prologue_kernel, pro_ptrs, meta, 4, 3)  # fmt: skip

@@ -139,18 +139,20 @@ def moe_prologue(moe: DeepseekMoE, x: torch.Tensor):
     and the accumulator's zeroing in one launch (kernels/triton/moe_prologue.py), as a
     MoePrologue for fused_moe; else None (the router and fused_moe launch their own)."""
     from kernels.triton.fused_moe import choose_config
-    from kernels.triton.moe_prologue import PROLOGUE_MAX_TOKENS, moe_prologue
+    from kernels.triton.moe_prologue import PROLOGUE_MAX_TOKENS
+    from kernels.triton.moe_prologue import moe_prologue as launch_prologue
 
     gate, experts = moe.gate, moe.experts
     routing = _routing_args(gate.spec, gate.e_score_correction_bias)
-    if x.shape[0] > PROLOGUE_MAX_TOKENS or routing is None or not _uses_kernels(experts, x):
+    decode_sized = 1 <= x.shape[0] <= PROLOGUE_MAX_TOKENS
+    if not decode_sized or routing is None or not _uses_kernels(experts, x):
         return None
     fused: FusedExperts = experts.cuda_fused
     t, d = x.shape
     e = fused.w13.shape[0]
     i = fused.w2.shape[-1] * (2 if fused.fmt == "mxfp4" else 1)
     cfg = choose_config(t, routing["top_k"], e, d, i, fused.fmt, x.device)
-    return moe_prologue(
+    return launch_prologue(
         x,
         gate.weight.contiguous(),
         block_m=cfg["BLOCK_M"],
@@ -207,9 +209,10 @@ def routed_experts(
     shared_stream: torch.cuda.Stream | None = None,
     prologue=None,
 ) -> torch.Tensor:
-    """Routed experts' weighted sum; `shared` (a fused_moe.SharedExpert) is added in the
-    same kernels when the fused path runs (on `shared_stream` when given, concurrently with
-    the routed experts), else the caller adds it. `prologue`: moe_prologue's, if any."""
+    """Routed experts' weighted sum; `shared` (a fused_moe.SharedExpert, or a
+    PendingSharedExpert already running on its own stream) is added in the same kernels
+    when the fused path runs (a SharedExpert on `shared_stream` when given, concurrently
+    with the routed experts), else the caller adds it. `prologue`: moe_prologue's, if any."""
     if _uses_kernels(experts, x):
         from kernels.triton.fused_moe import fused_moe
 

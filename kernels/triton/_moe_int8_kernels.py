@@ -31,6 +31,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+INT8_QUANT_BLOCK = 256  # columns of x per program of the activation quantization
+
 # The table: E2M1 magnitudes x 2 by a nibble's low 3 bits, as int8 bytes of two words, and
 # their negatives; see scripts/sm90_int8_mxfp4_study.py for the check of every nibble.
 _DECODE_ASM = tl.constexpr("""{

@@ -51,6 +51,7 @@ from kernels.triton._arrival_counters import arrival_counters
 from kernels.triton._common import check_device, interpreting
 from kernels.triton._fused_moe_kernels import moe_down_kernel, moe_gate_up_kernel
 from kernels.triton._moe_int8_kernels import (
+    INT8_QUANT_BLOCK,
     act_quant_int8_kernel,
     moe_down_int8_kernel,
     moe_gate_up_int8_kernel,
@@ -63,7 +64,6 @@ OP = "fused_moe"
 # checkpoint's scales against it once at load (engine/backends/cuda.py).
 MXFP4_MAX_EXACT_SCALE = 128
 WEIGHT_FORMATS = {"bf16": 0, "fp8": 1, "mxfp4": 3}
-INT8_QUANT_BLOCK = 256  # columns per program of the int8 path's activation quantization
 
 
 @dataclass
@@ -245,7 +245,10 @@ def fused_moe(
         assert align.block_m == cfg["BLOCK_M"] and (x_int8 is not None) == int8, (
             "the prologue was launched for another config than this call's"
         )
-        assert topk_ids is prologue.topk_ids and y.shape == (t, d), "not this call's prologue"
+        assert topk_ids is prologue.topk_ids and topk_weights is prologue.topk_weights, (
+            "topk_ids and topk_weights must be the prologue's own"
+        )
+        assert y.shape == (t, d), f"a prologue for {list(y.shape)}, not [{t}, {d}]"
     p = align.num_pairs
     max_blocks = align.block_expert.numel()
     route_w = topk_weights.reshape(-1)
@@ -257,6 +260,7 @@ def fused_moe(
     meta = _launch_meta(cfg) if cfg.get("KERNEL") != "int8" else {}
     pairs, groups = align.sorted_pairs, align.block_expert
     pending = shared if isinstance(shared, PendingSharedExpert) else None
+    assert pending is None or pending.h.shape[0] == t, "a shared expert started for another x"
     inline = shared if pending is None and shared_stream is None else None  # on this stream
     try:  # the join runs even if a launch raises: y must outlive the side stream's atomics
         if pending is None and shared is not None and shared_stream is not None:

@@ -31,7 +31,7 @@ import triton.language as tl
 
 from kernels.triton._arrival_counters import arrival_counters
 from kernels.triton._common import check_device, next_pow2
-from kernels.triton._moe_int8_kernels import quantize_row_block
+from kernels.triton._moe_int8_kernels import INT8_QUANT_BLOCK, quantize_row_block
 from kernels.triton._moe_router_kernels import gate_logits, route_split_row
 from kernels.triton.moe_align import (
     ZERO_BLOCK,
@@ -48,7 +48,6 @@ from kernels.triton.moe_router import (
 )
 
 PROLOGUE_MAX_TOKENS = 16
-QUANT_BLOCK = 256  # columns of x per quantization program
 
 
 @dataclass
@@ -191,7 +190,7 @@ def moe_prologue(
     if quantize_int8:
         xq = torch.empty((t, d // 4), dtype=torch.int32, device=device)
         xs = torch.empty((t, d // 32), dtype=torch.float32, device=device)
-        quant_programs = t * triton.cdiv(d, QUANT_BLOCK)
+        quant_programs = t * triton.cdiv(d, INT8_QUANT_BLOCK)
     else:  # never written
         xq, xs, quant_programs = sorted_pairs, acc, 0
     per = gate_experts_per_program(t, e, device)
@@ -207,7 +206,7 @@ def moe_prologue(
         GEMV_E=per, BLOCK_D=min(next_pow2(d), max(GEMV_TILE // per, 32)),
         BLOCK_M=block_m, CHUNK=max(16, min(256, 8192 // block_e, next_pow2(p))),
         TILES=max(16, min(64, next_pow2(max_blocks))),
-        QUANT=quantize_int8, QBLOCK=QUANT_BLOCK, ZBLOCK=ZERO_BLOCK, num_warps=4,
+        QUANT=quantize_int8, QBLOCK=INT8_QUANT_BLOCK, ZBLOCK=ZERO_BLOCK, num_warps=4,
     )  # fmt: skip
     return MoePrologue(
         ids,

@@ -81,6 +81,13 @@ def test_moe_forward_matches_the_torch_path(tiny_model, tokens):
     assert relative_error(got, want) < 2e-2
 
 
+def test_moe_forward_takes_an_empty_batch(tiny_model):
+    moe = next(m for m in tiny_model.modules() if isinstance(m, DeepseekMoE))
+    x = torch.zeros(0, moe.gate.weight.shape[1], dtype=torch.bfloat16)
+    assert backend.moe_prologue(moe, x) is None
+    assert backend.moe_forward(moe, x).shape == x.shape
+
+
 def test_gathered_experts_match_the_torch_path(tiny_model):
     moe = next(m for m in tiny_model.modules() if isinstance(m, DeepseekMoE))
     if moe.experts.gate_proj.format.name != "unquantized":

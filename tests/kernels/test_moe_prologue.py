@@ -15,12 +15,14 @@ from tests.kernels.test_fused_moe import _LaunchRecorder, make_moe, random_share
 
 # (T, D, E, top_k, n_group, topk_group, scoring, bias, block_m, int8). T = 1: the experts
 # split over programs; 16 = PROLOGUE_MAX_TOKENS with several tokens' last blocks racing to
-# group; E = 12 and D = 96: blocks and quantization columns with masked tails.
+# group; E = 12 and D = 96: blocks and quantization columns with masked tails; E = 256
+# in 8 groups, 4 kept, top-8: DeepSeek-V3's routing.
 CASES = [
     (1, 64, 8, 2, 1, 1, "sigmoid", True, 1, True),
     (3, 96, 12, 3, 3, 2, "sigmoid", True, 16, False),
     (5, 128, 16, 4, 1, 1, "sqrtsoftplus", True, 1, True),
     (16, 64, 10, 3, 1, 1, "softmax", False, 4, False),
+    (2, 64, 256, 8, 8, 4, "sigmoid", True, 16, False),  # DeepSeek-V3's routing: 8 groups
 ]
 
 
