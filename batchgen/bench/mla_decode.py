@@ -60,18 +60,25 @@ def engine_settings(batch: int, context: int, heads: int, device) -> dict:
 
     splits = choose_num_splits(batch, context, heads, device)
     return dict(block_t=32, num_warps=default_num_warps(KVL, splits), num_stages=2,
-                splits=splits)  # fmt: skip
+                splits=splits, prefetch=1)  # fmt: skip
 
 
 def _settings(batch: int, context: int, heads: int, device) -> list[dict]:
-    """Tile x warps x stages at the split count the engine would choose for that tile;
-    bench_case then tries half and twice the best one's splits."""
+    """Tile x warps x stages at the split count the engine would choose for that tile,
+    then what split sequences prefetch (nothing, page indices, page indices and tiles) at
+    8 warps, where 16- and 32-slot tiles fit their registers (sm_90: 200 and 255 at
+    prefetch 2); bench_case then tries half and twice the best one's splits."""
     from kernels.triton.mla_decode import choose_num_splits
 
     out = []
     for block_t, warps, stages in itertools.product((16, 32, 64), (4, 8), (1, 2, 3)):
         splits = choose_num_splits(batch, context, heads, device, block_t)
-        out.append(dict(block_t=block_t, num_warps=warps, num_stages=stages, splits=splits))
+        out.append(dict(block_t=block_t, num_warps=warps, num_stages=stages, splits=splits,
+                        prefetch=1))  # fmt: skip
+    for block_t, prefetch in itertools.product((16, 32), (0, 2)):
+        splits = choose_num_splits(batch, context, heads, device, block_t)
+        out.append(dict(block_t=block_t, num_warps=8, num_stages=2, splits=splits,
+                        prefetch=prefetch))  # fmt: skip
     return out
 
 
@@ -85,7 +92,8 @@ def bench_case(name: str, batch: int, context: int, heads: int, copy_bps: float,
 
     def time(s: dict) -> float:
         calls = [functools.partial(mla_decode, q_c, q_r, c, t, lens, 0.1, s["splits"],
-                                   s["block_t"], s["num_warps"], s["num_stages"])
+                                   s["block_t"], s["num_warps"], s["num_stages"],
+                                   s["prefetch"])
                  for c, t in zip(caches, tables)]  # fmt: skip
         return _time_chain(calls, warmup_ms=5, rep_ms=40)
 

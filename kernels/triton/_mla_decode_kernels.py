@@ -10,6 +10,18 @@ from kernels.triton._common import mma
 
 
 @triton.jit
+def _load_tile(cache_ptr, page, offs_t, end, stride_cblk, stride_cslot,
+               KVL: tl.constexpr, R: tl.constexpr, BS: tl.constexpr):  # fmt: skip
+    """Cache slots offs_t (their pages given): latent [T, KVL] and rope key [T, R], zero
+    past `end`."""
+    mask_t = offs_t < end
+    row = cache_ptr + page.to(tl.int64) * stride_cblk + (offs_t % BS) * stride_cslot
+    c = tl.load(row[:, None] + tl.arange(0, KVL)[None, :], mask=mask_t[:, None], other=0.0)
+    kr = tl.load(row[:, None] + KVL + tl.arange(0, R)[None, :], mask=mask_t[:, None], other=0.0)
+    return c, kr
+
+
+@triton.jit
 def _attend_chunk(
     qc,  # [BLOCK_H, KVL]
     qr,  # [BLOCK_H, R]
@@ -28,35 +40,46 @@ def _attend_chunk(
     BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr,
     F32_DOT: tl.constexpr,
-    PREFETCH_PAGES: tl.constexpr,
+    PREFETCH: tl.constexpr,  # 0, 1 (page indices) or 2 (and tiles) one tile ahead
 ):
     """Online softmax over cache slots [start, end): (acc [BLOCK_H, KVL] unnormalised,
     running max m [BLOCK_H], running sum l [BLOCK_H])."""
-    offs_c = tl.arange(0, KVL)
-    offs_r = tl.arange(0, R)
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
     acc = tl.zeros((BLOCK_H, KVL), tl.float32)
     pages = block_tables_ptr + b * stride_bt
-    # Triton does not pipeline this loop (its tile loads hang off the page-index loads).
-    # PREFETCH_PAGES loads each tile's page indices one iteration ahead, beside the previous
-    # tile's data: one DRAM round trip per tile instead of two dependent ones, for ~20
-    # registers (a few programs streaming a short sequence each; where one program per
-    # sequence fills the GPU, those registers would spill and other programs hide latency).
+    # Triton does not pipeline this loop (its tile loads hang off the page-index loads), so
+    # PREFETCH does by hand: 1 loads each tile's page indices one iteration ahead, beside
+    # the previous tile's data (one DRAM round trip per tile instead of two dependent
+    # ones, for ~20 registers); 2 also the tile itself (nothing waits on memory but the
+    # first tile, for the tile's registers again). Where one program per sequence fills the
+    # GPU (PREFETCH 0), those registers would spill and other programs hide the latency.
     offs_t = start + tl.arange(0, BLOCK_T)
-    page_next = tl.load(pages + offs_t // BS, mask=(offs_t < end) & PREFETCH_PAGES, other=0)
+    page_next = tl.load(pages + offs_t // BS, mask=(offs_t < end) & (PREFETCH > 0), other=0)
+    if PREFETCH == 2:
+        c_next, kr_next = _load_tile(cache_ptr, page_next, offs_t, end, stride_cblk,
+                                     stride_cslot, KVL, R, BS)  # fmt: skip
+        offs_t += BLOCK_T
+        page_next = tl.load(pages + offs_t // BS, mask=offs_t < end, other=0)
     for t0 in range(start, end, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < end
-        if PREFETCH_PAGES:
-            page = page_next
+        if PREFETCH == 2:
+            c, kr = c_next, kr_next
             offs_n = offs_t + BLOCK_T
+            c_next, kr_next = _load_tile(cache_ptr, page_next, offs_n, end, stride_cblk,
+                                         stride_cslot, KVL, R, BS)  # fmt: skip
+            offs_n += BLOCK_T
             page_next = tl.load(pages + offs_n // BS, mask=offs_n < end, other=0)
         else:
-            page = tl.load(pages + offs_t // BS, mask=mask_t, other=0)
-        row = cache_ptr + page.to(tl.int64) * stride_cblk + (offs_t % BS) * stride_cslot
-        c = tl.load(row[:, None] + offs_c[None, :], mask=mask_t[:, None], other=0.0)  # [T, KVL]
-        kr = tl.load(row[:, None] + KVL + offs_r[None, :], mask=mask_t[:, None], other=0.0)
+            if PREFETCH == 1:
+                page = page_next
+                offs_n = offs_t + BLOCK_T
+                page_next = tl.load(pages + offs_n // BS, mask=offs_n < end, other=0)
+            else:
+                page = tl.load(pages + offs_t // BS, mask=mask_t, other=0)
+            c, kr = _load_tile(cache_ptr, page, offs_t, end, stride_cblk, stride_cslot,
+                               KVL, R, BS)  # fmt: skip
         s = tl.zeros((BLOCK_H, BLOCK_T), tl.float32)
         s = mma(qc, tl.trans(c), s, F32_DOT)
         s = mma(qr, tl.trans(kr), s, F32_DOT)
@@ -110,6 +133,7 @@ def mla_decode_kernel(
     BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr,
     F32_DOT: tl.constexpr,
+    PREFETCH: tl.constexpr,  # _attend_chunk's, for split sequences
 ):
     b = tl.program_id(0).to(tl.int64)
     hb = tl.program_id(1)
@@ -140,7 +164,7 @@ def mla_decode_kernel(
         acc, m_i, l_i = _attend_chunk(
             qc, qr, cache_ptr, block_tables_ptr, b, start, end, scale,
             stride_cblk, stride_cslot, stride_bt,
-            KVL, R, BS, BLOCK_H, BLOCK_T, F32_DOT, NUM_SPLITS > 1,
+            KVL, R, BS, BLOCK_H, BLOCK_T, F32_DOT, PREFETCH if NUM_SPLITS > 1 else 0,
         )  # fmt: skip
         has = l_i > 0  # false only for a zero-length context
         l_safe = tl.where(has, l_i, 1.0)

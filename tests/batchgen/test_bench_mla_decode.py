@@ -1,10 +1,14 @@
 """`bench mla-decode` runs on a GPU only; here: its labelled engine launch is the one the
 engine makes, and the sweep covers the settings its notes name."""
 
+import inspect
+
 import torch
 
 from batchgen.bench.mla_decode import KVL, _settings, engine_settings
-from kernels.triton.mla_decode import choose_num_splits, default_num_warps
+from kernels.triton.mla_decode import choose_num_splits, default_num_warps, mla_decode
+
+ENGINE_PREFETCH = inspect.signature(mla_decode).parameters["prefetch"].default
 
 
 def test_engine_row_uses_the_engines_own_launch_settings():
@@ -13,13 +17,14 @@ def test_engine_row_uses_the_engines_own_launch_settings():
         s = engine_settings(batch, context, 16, cpu)
         splits = choose_num_splits(batch, context, 16, cpu)
         assert s == dict(block_t=32, num_warps=default_num_warps(KVL, splits), num_stages=2,
-                         splits=splits)  # fmt: skip
+                         splits=splits, prefetch=ENGINE_PREFETCH)  # fmt: skip
     assert engine_settings(256, 192, 16, cpu)["num_warps"] == 4  # one split: 4 warps
     assert engine_settings(1, 4096, 16, cpu)["num_warps"] == 8
 
 
-def test_sweep_covers_tiles_warps_and_stages():
+def test_sweep_covers_tiles_warps_stages_and_prefetch():
     sweep = _settings(32, 1024, 128, torch.device("cpu"))
     assert {(s["block_t"], s["num_warps"], s["num_stages"]) for s in sweep} == {
         (t, w, st) for t in (16, 32, 64) for w in (4, 8) for st in (1, 2, 3)
     }
+    assert {s["prefetch"] for s in sweep} == {0, 1, 2}

@@ -29,10 +29,13 @@ def make_case(lens, heads, kvl, r, bs, seed):
     "lens,splits,heads",
     [([5, 37], 1, 3), ([70, 3, 1], 3, 3), ([33], 4, 3), ([5, 2], 8, 3), ([300, 5, 40], 8, 20)],
 )
-def test_mla_decode_matches_reference(lens, splits, heads):
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_mla_decode_matches_reference(lens, splits, heads, prefetch):
+    # prefetch: page indices (1), and tiles (2), one tile ahead; ([33], 4): a split whose
+    # prefetch of the tile after its last one is masked off
     args = make_case(lens, heads=heads, kvl=32, r=16, bs=16, seed=len(lens) + splits)
     scale = 48**-0.5
-    out = mla_decode(*args, scale=scale, num_splits=splits, block_t=16)
+    out = mla_decode(*args, scale=scale, num_splits=splits, block_t=16, prefetch=prefetch)
     assert out.shape == args[0].shape
     assert rel_err(out, mla_decode_reference(*args, scale=scale)) < 1e-2
 
@@ -61,5 +64,7 @@ def test_splits_for_context_grow_like_a_square_root():
 def test_mla_decode_gpu_deepseek_shape(lens):
     args = make_case(lens, heads=128, kvl=512, r=64, bs=64, seed=len(lens))
     splits = choose_num_splits(len(lens), max(lens), 128, args[0].device)
-    out = mla_decode(*args, scale=192**-0.5, num_splits=splits)
-    assert rel_err(out, mla_decode_reference(*args, scale=192**-0.5)) < 1e-2
+    want = mla_decode_reference(*args, scale=192**-0.5)
+    for prefetch in (0, 1, 2):
+        out = mla_decode(*args, scale=192**-0.5, num_splits=splits, prefetch=prefetch)
+        assert rel_err(out, want) < 1e-2
