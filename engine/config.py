@@ -52,6 +52,11 @@ class EngineConfig:
     # stream, concurrently with the routed experts (fused_moe's shared_stream). False: one
     # stream.
     shared_expert_stream: bool = True
+    # CUDA: MLA's expanded form (prefill) computes keys, values and attention in float32
+    # (sm80 float32 GEMMs and attention on the H200). False: in the model's dtype (bf16
+    # tensor cores, flash attention with a float32 softmax, as transformers' bf16 model
+    # does). Not yet timed on a GPU; the CPU always computes float32.
+    mla_expanded_float32: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -29,6 +29,8 @@ class LLM:
     quantize activations to FP8 on GPUs that multiply FP8 natively (default 64; None:
     never). `shared_expert_stream` runs a MoE layer's shared expert on a second CUDA
     stream, concurrently with its routed experts, in steps of up to 64 tokens (default on).
+    `mla_expanded_float32` False lets MLA's prefill attention run in the model's dtype on
+    a GPU (default: float32).
     """
 
     def __init__(
@@ -47,6 +49,7 @@ class LLM:
         async_scheduling: bool | None = None,
         fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS,
         shared_expert_stream: bool = True,
+        mla_expanded_float32: bool = True,
     ) -> None:
         self.config = EngineConfig(
             model=str(model),
@@ -63,6 +66,7 @@ class LLM:
             async_scheduling=async_scheduling,
             fp8_native_min_tokens=fp8_native_min_tokens,
             shared_expert_stream=shared_expert_stream,
+            mla_expanded_float32=mla_expanded_float32,
         )
         self.engine = LLMEngine(self.config)
         self.model_name = str(model)

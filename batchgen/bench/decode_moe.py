@@ -297,6 +297,7 @@ def bench_engine(
     profile_step: bool,
     fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS,
     shared_expert_stream: bool = True,
+    mla_expanded_float32: bool = True,
 ) -> tuple[list[dict], dict]:
     from engine.llm import LLM
 
@@ -310,6 +311,7 @@ def bench_engine(
         max_model_len=prompt_len + new_tokens + 16,
         fp8_native_min_tokens=fp8_native_min_tokens,
         shared_expert_stream=shared_expert_stream,
+        mla_expanded_float32=mla_expanded_float32,
     )
     runner = llm.engine.runner
     info = {
@@ -472,6 +474,7 @@ def run(
     name: str,
     fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS,
     shared_expert_stream: bool = True,
+    mla_expanded_float32: bool = True,
 ) -> dict:
     from batchgen.bench.kernels import copy_bandwidth
 
@@ -488,6 +491,7 @@ def run(
         "new_tokens": new_tokens,
         "fp8_native_min_tokens": fp8_native_min_tokens,
         "shared_expert_stream": shared_expert_stream,
+        "mla_expanded_float32": mla_expanded_float32,
         "results": [],
         "engine_info": {},
     }
@@ -496,7 +500,8 @@ def run(
         paths[w] = make_checkpoint(workdir, preset, layers, w)
         rows, info = bench_engine(paths[w], w, batches, prompt_len, new_tokens, copy_bps,
                                   profile_step=True, fp8_native_min_tokens=fp8_native_min_tokens,
-                                  shared_expert_stream=shared_expert_stream)  # fmt: skip
+                                  shared_expert_stream=shared_expert_stream,
+                                  mla_expanded_float32=mla_expanded_float32)  # fmt: skip
         payload["results"] += rows
         payload["engine_info"][w] = info
         write_result(name, payload)  # after each phase, so a cut-off run keeps its numbers
@@ -550,15 +555,19 @@ def _ints(text: str) -> tuple[int, ...]:
               help="Dense FP8 linears multiply in FP8 from this many tokens (0: never).")  # fmt: skip
 @click.option("--shared-expert-stream/--one-stream", default=True, show_default=True,
               help="Run each MoE layer's shared expert on a second CUDA stream.")  # fmt: skip
+@click.option("--mla-expanded-float32/--mla-expanded-model-dtype", default=True,
+              show_default=True,
+              help="MLA's prefill attention in float32, or in the model's dtype.")  # fmt: skip
 def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens, workdir, name,
-            fp8_native_min_tokens, shared_expert_stream):  # fmt: skip
+            fp8_native_min_tokens, shared_expert_stream, mla_expanded_float32):  # fmt: skip
     """Decode tok/s of a DeepSeek-V3-family MoE on the GPU vs transformers and the roofline."""
     chosen = tuple(w.strip() for w in weights.split(",") if w.strip())
     unknown = [w for w in chosen if w not in WEIGHTS]
     if unknown:
         raise click.BadParameter(f"unknown weights {unknown}; choose from {sorted(WEIGHTS)}")
     run(preset, layers, chosen, _ints(batches), _ints(hf_batches), prompt_len, new_tokens,
-        workdir, name, fp8_native_min_tokens or None, shared_expert_stream)  # fmt: skip
+        workdir, name, fp8_native_min_tokens or None, shared_expert_stream,
+        mla_expanded_float32)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -483,11 +483,13 @@ def prepare_model(
     max_model_len: int,
     fp8_native_min_tokens: int | None = None,
     shared_expert_stream: bool = True,
+    mla_expanded_float32: bool = True,
 ) -> None:
     """Once after loading, on CUDA: stacked expert views, MLA decode state, the token
     count from which dense FP8 linears multiply in FP8 (EngineConfig.fp8_native_min_tokens;
-    only where the GPU has FP8 tensor cores), and the stream the fused MoE layers run their
-    shared expert on (EngineConfig.shared_expert_stream; one for the whole model)."""
+    only where the GPU has FP8 tensor cores), the stream the fused MoE layers run their
+    shared expert on (EngineConfig.shared_expert_stream; one for the whole model), and
+    the dtype of MLA's expanded form (EngineConfig.mla_expanded_float32)."""
     native = fp8_native_min_tokens if _has_fp8_tensor_cores() else None
     if fp8_native_min_tokens is not None and native is None:
         log.info("no FP8 tensor cores: dense FP8 linears decode their weights to bf16 always")
@@ -505,6 +507,7 @@ def prepare_model(
             module.cuda_shared_stream = side
         elif isinstance(module, MultiLatentAttention):
             module.cuda_state = prepare_mla(module, dtype, max_model_len, native)
+            module.expanded_dtype = torch.float32 if mla_expanded_float32 else dtype
     if fused:
         log.info("CUDA backend: %d MoE layers on the fused kernel", fused)
 

@@ -14,7 +14,8 @@ roped shared key k_rope (P values): R + P values per token per layer (576 for V3
   expansion: what decode does.
 
 `MultiLatentAttention.mode` picks "auto" (the cheaper form per sequence by a flop count),
-"absorbed" or "expanded". Scores and softmax run in float32.
+"absorbed" or "expanded". Scores and softmax run in float32 (the expanded form's keys,
+values and attention may run in the model's dtype on CUDA: `expanded_dtype`).
 """
 
 from __future__ import annotations
@@ -35,8 +36,8 @@ from engine.quant.base import QuantConfig
 # DeepSeek's and transformers' MLA norms use the RMSNorm default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
 MODES = ("auto", "absorbed", "expanded")
-# Float32 keys and values one batched expanded-form call may hold (its group's padded
-# contexts; Moonlight: ~18K tokens, V3 with 128 heads: ~2K).
+# Keys and values one batched expanded-form call may hold (its group's padded contexts;
+# in float32 Moonlight: ~18K tokens, V3 with 128 heads: ~2K; twice that in bf16).
 EXPANDED_GROUP_BYTES = 512 << 20
 
 
@@ -93,24 +94,27 @@ def attend_expanded_batched(
     dims: MlaDims,
     scale: float,
     max_context: int | None = None,
+    dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """B sequences in the expanded form, queries padded as in attend_absorbed_batched:
     q_nope [B, Q, H, N], q_rope [B, Q, H, P], q_pos [B, Q], block_tables [B, blocks],
     context_lens [B] -> out [B, Q, H, V] float32. One batched expansion and one fused
     attention call for the whole group (a prefill of 128 prompts used to take ~12 small
-    launches per prompt per layer, and its wall time was the host's)."""
+    launches per prompt per layer, and its wall time was the host's). Keys, values and
+    the attention are computed in `dtype` (bf16: tensor-core GEMMs and flash attention
+    on a GPU, with its float32 softmax)."""
     N, R = dims.qk_nope_head_dim, dims.kv_lora_rank
     H = q_nope.shape[2]
     lmax = int(context_lens.max()) if max_context is None else max_context
-    entries = _context_entries(cache, block_tables, lmax)  # [B, L, R+P]
+    entries = _context_entries(cache, block_tables, lmax, dtype)  # [B, L, R+P]
     latent, k_rope = entries[..., :R], entries[..., R:]
-    kv = torch.einsum("blr,hkr->bhlk", latent, kv_b_weight)  # [B, H, L, N+V]
+    kv = torch.einsum("blr,hkr->bhlk", latent, kv_b_weight.to(dtype))  # [B, H, L, N+V]
     k = torch.cat((kv[..., :N], k_rope[:, None].expand(-1, H, -1, -1)), dim=-1)
-    q = torch.cat((q_nope, q_rope), dim=-1).transpose(1, 2)  # [B, H, Q, N+P]
+    q = torch.cat((q_nope, q_rope), dim=-1).to(dtype).transpose(1, 2)  # [B, H, Q, N+P]
     keys = torch.arange(entries.shape[1], device=cache.device)
     visible = keys[None, None, :] <= q_pos[:, :, None]  # [B, Q, L]; past the end is future
     out = F.scaled_dot_product_attention(q, k, kv[..., N:], attn_mask=visible[:, None], scale=scale)
-    return out.transpose(1, 2)
+    return out.transpose(1, 2).float()
 
 
 def attend_absorbed_batched(
@@ -144,10 +148,15 @@ def attend_absorbed_batched(
     return torch.einsum("bqhr,hvr->bqhv", o_lat, kv_b_weight[:, N:])
 
 
-def _context_entries(cache: torch.Tensor, block_tables: torch.Tensor, length: int) -> torch.Tensor:
-    """[c | k_rope] of tokens 0..length-1 of each sequence as float32 [B, length, R+P]."""
+def _context_entries(
+    cache: torch.Tensor,
+    block_tables: torch.Tensor,
+    length: int,
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """[c | k_rope] of tokens 0..length-1 of each sequence as [B, length, R+P] in dtype."""
     flat = cache.view(-1, cache.shape[-1])
-    return flat[context_slots(block_tables, length, cache.shape[1])].float()
+    return flat[context_slots(block_tables, length, cache.shape[1])].to(dtype)
 
 
 def expanded_groups(
@@ -218,6 +227,9 @@ class MultiLatentAttention(nn.Module):
         self.o_proj = Linear(H * dims.v_head_dim, D, bias, quant, f"{prefix}.o_proj")
         self.kv_cache: torch.Tensor | None = None  # [blocks, block_size, R+P], bound by runner
         self.mode = "auto"
+        # What the expanded form (prefill) computes keys, values and attention in: float32,
+        # or on CUDA the model's dtype (EngineConfig.mla_expanded_float32 = False).
+        self.expanded_dtype = torch.float32
 
     def kv_b_weight(self) -> torch.Tensor:
         """kv_b_proj's weight as float32 [H, N+V, R] (a view when stored in float32)."""
@@ -267,7 +279,7 @@ class MultiLatentAttention(nn.Module):
                 return self.mode == "expanded"
             return d.prefer_expanded(q_lens[b], c_lens[b])
 
-        def run(attend, seqs: list[int]) -> None:
+        def run(attend, seqs: list[int], **options) -> None:
             # The index tensors are built on the host by a few vectorized ops and sent in
             # one asynchronous copy, and the longest context is passed from the host: a
             # prefill of 128 prompts used to build 16K-entry lists and copy 128 slices back
@@ -284,16 +296,20 @@ class MultiLatentAttention(nn.Module):
             rows_d = rows_d.view(rows.shape)
             o = attend(q_nope[rows_d], q_rope[rows_d], positions[rows_d], self.kv_cache,
                        ctx.block_tables[on], ctx.context_lens[on].long(), w, d, self.scale,
-                       max_context=max(c_lens[b] for b in seqs))  # fmt: skip
+                       max_context=max(c_lens[b] for b in seqs), **options)  # fmt: skip
             out.index_copy_(0, dest, o.flatten(0, 1).index_select(0, picked_d))
 
         absorbed = [b for b in range(ctx.num_seqs) if not expanded(b)]
         if absorbed:
             run(attend_absorbed_batched, absorbed)
         rest = [b for b in range(ctx.num_seqs) if expanded(b)]
-        # float32 keys and values of every context token: ~4 (2N+P+V) H bytes each
-        per_token = 4 * d.num_heads * (2 * d.qk_nope_head_dim + d.qk_rope_head_dim + d.v_head_dim)
+        # keys and values of every context token: ~(2N+P+V) H elements each
+        per_token = (
+            self.expanded_dtype.itemsize
+            * d.num_heads
+            * (2 * d.qk_nope_head_dim + d.qk_rope_head_dim + d.v_head_dim)
+        )
         budget = max(1, EXPANDED_GROUP_BYTES // per_token)
         for group in expanded_groups(rest, c_lens, q_lens, budget):
-            run(attend_expanded_batched, group)
+            run(attend_expanded_batched, group, dtype=self.expanded_dtype)
         return out

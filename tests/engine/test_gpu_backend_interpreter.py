@@ -119,6 +119,27 @@ def test_mla_decode_path_matches_the_torch_path(tiny_model):
     assert relative_error(attn.kv_cache.float(), want_cache.float()) < 1e-2
 
 
+def test_mla_prefill_in_the_model_dtype_is_prepared_and_close(tmp_path):
+    # EngineConfig.mla_expanded_float32 = False reaches every MLA layer through
+    # prepare_model; a bf16 prefill's logits then stay close to the float32 form's.
+    make_random_checkpoint(tmp_path, preset="tiny", seed=8, device="cpu", mtp=False)
+    model = _bf16_model(tmp_path)
+    gen = torch.Generator().manual_seed(5)
+    prompts = [(0, torch.randint(0, 200, (9,), generator=gen).tolist()), (1, [4, 8, 15, 16])]
+    logits = {}
+    for in_float32 in (True, False):
+        backend.prepare_model(model, torch.bfloat16, 64, mla_expanded_float32=in_float32)
+        attns = [m for m in model.modules() if isinstance(m, MultiLatentAttention)]
+        assert attns and all(
+            a.expanded_dtype == (torch.float32 if in_float32 else torch.bfloat16) for a in attns
+        )
+        for a in attns:
+            a.mode = "expanded"
+        rows = PagedRunner(model, block_size=4, num_blocks=32).step(prompts)
+        logits[in_float32] = torch.cat(rows).float()  # every prompt token's next-token logits
+    assert 0 < relative_error(logits[False], logits[True]) < 3e-2
+
+
 def test_float32_decode_path_is_exact(tmp_path):
     make_random_checkpoint(tmp_path, preset="tiny", seed=6, device="cpu", mtp=False)
     model = load_engine_model(tmp_path, enable_mtp=False)  # float32

@@ -106,3 +106,17 @@ def test_mla_layer_groups_scatter_back_to_the_right_rows(monkeypatch):
     want = layer("absorbed", mla.EXPANDED_GROUP_BYTES)
     torch.testing.assert_close(layer("expanded", 1), want, rtol=1e-4, atol=1e-5)
     torch.testing.assert_close(layer("expanded", 512 << 20), want, rtol=1e-4, atol=1e-5)
+
+
+def test_expanded_form_in_bf16_stays_close_to_float32():
+    # The GPU option EngineConfig.mla_expanded_float32 = False: keys, values and attention
+    # in bf16 (the cache and the queries are bf16 in such a model), the output float32.
+    context_lens, query_lens = [9, 13], [9, 5]
+    q_nope, q_rope, q_pos, cache, tables, lens, w = _paged_case(context_lens, query_lens, 4)
+    q_nope, q_rope, cache = q_nope.bfloat16(), q_rope.bfloat16(), cache.bfloat16()
+    args = (q_nope, q_rope, q_pos, cache, tables, lens, w, DIMS, 0.3)
+    want = attend_expanded_batched(*args)
+    got = attend_expanded_batched(*args, dtype=torch.bfloat16)
+    assert got.dtype == torch.float32 and got.shape == want.shape
+    rel = ((got - want).norm() / want.norm()).item()
+    assert 0 < rel < 2e-2  # bf16 roundings, and not the float32 path by mistake
