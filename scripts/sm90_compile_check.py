@@ -68,11 +68,14 @@ def main() -> None:
     mla_ptrs = dict(qc_ptr="*bf16", qr_ptr="*bf16", cache_ptr="*bf16", block_tables_ptr="*i32",
                     ctx_lens_ptr="*i32", out_ptr="*bf16", o_part_ptr="*fp32", lse_ptr="*fp32",
                     counters_ptr="*i32")  # fmt: skip
-    for splits, warps in ((4, 8), (16, 8), (1, 4)):
+    for splits, warps, block_t, prefetch in ((4, 8, 32, 1), (16, 8, 32, 1), (1, 4, 32, 1),
+                                             (4, 8, 16, 2)):  # fmt: skip
         meta = dict(KVL=512, R=64, BS=16, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-                    MERGE_UNROLL=min(4, splits), BLOCK_H=16, BLOCK_T=32, F32_DOT=False)  # fmt: skip
-        compile_report(f"mla_decode splits={splits} warps={warps}",
-                       _mla_decode_kernels.mla_decode_kernel, mla_ptrs, meta, warps, 2)  # fmt: skip
+                    MERGE_UNROLL=min(4, splits), BLOCK_H=16, BLOCK_T=block_t, F32_DOT=False,
+                    PREFETCH=prefetch)  # fmt: skip
+        compile_report(f"mla_decode splits={splits} warps={warps} tile={block_t} "
+                       f"prefetch={prefetch}", _mla_decode_kernels.mla_decode_kernel, mla_ptrs,
+                       meta, warps, 2)  # fmt: skip
     # the MLA decode prologue with the W_UK absorption (Moonlight: 16 heads, nope 128)
     rope_ptrs = dict(q_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", cos_ptr="*fp32",
                      sin_ptr="*fp32", norm_w_ptr="*bf16", cache_ptr="*bf16", slot_ptr="*i64",
@@ -87,12 +90,13 @@ def main() -> None:
     pro_ptrs = dict(x_ptr="*bf16", w_ptr="*fp32", bias_ptr="*fp32", logits_ptr="*fp32",
                     counters_ptr="*i32", ids_ptr="*i32", weights_ptr="*fp32", sorted_ptr="*i32",
                     block_expert_ptr="*i32", xq_ptr="*i32", xs_ptr="*fp32", acc_ptr="*fp32")  # fmt: skip
-    for block_m, quant in ((1, True), (16, False)):
+    for block_m, quant, tile_per_pair in ((1, True, True), (16, False, True), (16, False, False)):
         meta = dict(SCORING=0, HAS_BIAS=True, N_GROUP=1, TOPK_GROUP=1, TOP_K=6, NORM=True,
                     BLOCK_E=64, BLOCK_G=1, BLOCK_K=8, GEMV_E=1, BLOCK_D=2048, BLOCK_M=block_m,
+                    TILE_PER_PAIR=tile_per_pair,
                     CHUNK=16, TILES=16, QUANT=quant, QBLOCK=_moe_int8_kernels.INT8_QUANT_BLOCK,
                     ZBLOCK=4096)  # fmt: skip
-        compile_report(f"moe_prologue block_m={block_m} quant={quant}",
+        compile_report(f"moe_prologue block_m={block_m} quant={quant} tile/pair={tile_per_pair}",
                        moe_prologue.moe_prologue_kernel, pro_ptrs, meta, 4, 3)  # fmt: skip
 
 

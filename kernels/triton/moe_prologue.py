@@ -10,13 +10,15 @@ independent except router -> grouping, which an arrival counter orders inside th
   programs [0, T * blocks)      gate GEMV of (token, block of experts) -> logits scratch;
                                 a token's last block routes its row (route_split_row);
                                 the last token routed groups all pairs (align_pairs),
-                                unless tiles hold one pair (the int8 kernels' BLOCK_M = 1):
-                                then pair order is a grouping, and the ids the tile map
+                                unless each pair has a tile of its own (the int8
+                                kernels' BLOCK_M = 1, or one token: its experts are
+                                distinct): then pair order is a grouping, the ids the
+                                tile map
   next T * cdiv(D, QBLOCK)      int8 x 4 words and scales of x (QUANT only)
   the rest                      zero the accumulator, ZBLOCK floats each
 
 The results are what moe_gate_route, moe_align(zero=acc) and the int8 path's activation
-quantization give (at BLOCK_M = 1 the pairs keep their own order, an equally valid
+quantization give (with a tile per pair the pairs keep their own order, an equally valid
 grouping); fused_moe takes them through `prologue=` instead of launching its own. Decode
 sizes only (PROLOGUE_MAX_TOKENS): one program groups every pair.
 """
@@ -70,7 +72,7 @@ def moe_prologue_kernel(
     ids_ptr,  # [T, TOP_K] int32 out
     weights_ptr,  # [T, TOP_K] float32 out
     sorted_ptr,  # [max_blocks * BLOCK_M] int32 out
-    block_expert_ptr,  # [max_blocks] int32 out (BLOCK_M > 1; else the ids are)
+    block_expert_ptr,  # [max_blocks] int32 out (unless TILE_PER_PAIR: the ids are)
     xq_ptr,  # [T, D/4] int32 out (QUANT)
     xs_ptr,  # [T, D/32] float32 out (QUANT)
     acc_ptr,  # [T * D] float32, zeroed
@@ -99,6 +101,7 @@ def moe_prologue_kernel(
     BLOCK_D: tl.constexpr,
     # grouping (moe_align)
     BLOCK_M: tl.constexpr,
+    TILE_PER_PAIR: tl.constexpr,  # BLOCK_M == 1, or one token (its experts are distinct)
     CHUNK: tl.constexpr,
     TILES: tl.constexpr,
     # quantization and zeroing
@@ -119,7 +122,7 @@ def moe_prologue_kernel(
             ids_ptr + t * TOP_K, weights_ptr + t * TOP_K, E, scaling,
             SCORING, HAS_BIAS, N_GROUP, TOPK_GROUP, TOP_K, NORM, BLOCK_E, BLOCK_G, BLOCK_K,
         )  # fmt: skip
-        if BLOCK_M > 1:
+        if not TILE_PER_PAIR:
             if routed:
                 tl.debug_barrier()  # the token's ids stored by every thread before the release
                 everyone = counters_ptr + T
@@ -129,12 +132,14 @@ def moe_prologue_kernel(
                                 max_blocks, BLOCK_M, BLOCK_E, CHUNK, TILES, ".cg")  # fmt: skip
                     tl.atomic_xchg(everyone, 0)
         elif pid % blocks == 0:
-            # One pair per tile: the pairs in their own order are a grouping (tile p holds
-            # pair p, of expert ids[p]: block_expert is the ids themselves), so nothing
-            # waits for the routing.
+            # A tile per pair: the pairs in their own order are a grouping (tile p holds
+            # pair p, of expert ids[p], then BLOCK_M - 1 pads: block_expert is the ids
+            # themselves), so nothing waits for the routing.
             offs_k = tl.arange(0, BLOCK_K)
             pairs = t * TOP_K + offs_k
-            tl.store(sorted_ptr + pairs, pairs.to(tl.int32), mask=offs_k < TOP_K)
+            slots = pairs[:, None] * BLOCK_M + tl.arange(0, BLOCK_M)[None, :]
+            entry = tl.where(slots % BLOCK_M == 0, pairs[:, None], T * TOP_K)  # pad: P
+            tl.store(sorted_ptr + slots, entry.to(tl.int32), mask=(offs_k < TOP_K)[:, None])
         return
     pid -= T * blocks
     if QUANT:
@@ -181,9 +186,13 @@ def moe_prologue(
     ids = torch.empty((t, top_k), dtype=torch.int32, device=device)
     weights = torch.empty((t, top_k), dtype=torch.float32, device=device)
     sorted_pairs = torch.empty(max_blocks * block_m, dtype=torch.int32, device=device)
-    # one pair per tile (max_blocks = P): tile p is pair p, its expert ids[p]
-    block_expert = ids.view(-1) if block_m == 1 else torch.empty(max_blocks, dtype=torch.int32,
-                                                                 device=device)  # fmt: skip
+    # A tile per pair where no two pairs share an expert's tile anyway: one-pair tiles, or
+    # one token, whose top-k experts are distinct. Then max_blocks = P, tile p is pair p
+    # (and pads), and its expert ids[p].
+    tile_per_pair = block_m == 1 or t == 1
+    assert not tile_per_pair or max_blocks == p
+    block_expert = ids.view(-1) if tile_per_pair else torch.empty(max_blocks, dtype=torch.int32,
+                                                                  device=device)  # fmt: skip
     acc = torch.empty((t, d), dtype=torch.float32, device=device)
     logits = torch.empty((t, e), dtype=torch.float32, device=device)
     counters = arrival_counters(device, t + 1)
@@ -204,7 +213,7 @@ def moe_prologue(
         **routing_constants(e, top_k, bias is not None, n_group, topk_group, norm_topk_prob,
                             scoring),
         GEMV_E=per, BLOCK_D=min(next_pow2(d), max(GEMV_TILE // per, 32)),
-        BLOCK_M=block_m, CHUNK=max(16, min(256, 8192 // block_e, next_pow2(p))),
+        BLOCK_M=block_m, TILE_PER_PAIR=tile_per_pair, CHUNK=max(16, min(256, 8192 // block_e, next_pow2(p))),
         TILES=max(16, min(64, next_pow2(max_blocks))),
         QUANT=quantize_int8, QBLOCK=INT8_QUANT_BLOCK, ZBLOCK=ZERO_BLOCK, num_warps=4,
     )  # fmt: skip

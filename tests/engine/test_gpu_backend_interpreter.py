@@ -67,7 +67,7 @@ def test_shared_expert_is_stacked_as_views_and_fused(tiny_model):
     assert relative_error(both - routed, moe.shared_experts(x).float()) < 3e-2
 
 
-@pytest.mark.parametrize("tokens", [5, 40])  # with moe_prologue's one launch, and without
+@pytest.mark.parametrize("tokens", [1, 5, 40])  # with moe_prologue's one launch, and without
 def test_moe_forward_matches_the_torch_path(tiny_model, tokens):
     from kernels.triton.moe_prologue import PROLOGUE_MAX_TOKENS
 

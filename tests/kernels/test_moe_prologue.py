@@ -19,6 +19,7 @@ from tests.kernels.test_fused_moe import _LaunchRecorder, make_moe, random_share
 # in 8 groups, 4 kept, top-8: DeepSeek-V3's routing.
 CASES = [
     (1, 64, 8, 2, 1, 1, "sigmoid", True, 1, True),
+    (1, 64, 8, 3, 1, 1, "sigmoid", True, 16, False),  # one token, 16-row tiles: a tile each
     (3, 96, 12, 3, 3, 2, "sigmoid", True, 16, False),
     (5, 128, 16, 4, 1, 1, "sqrtsoftplus", True, 1, True),
     (16, 64, 10, 3, 1, 1, "softmax", False, 4, False),
@@ -44,11 +45,14 @@ def _routing(e, k, ng, tg, scoring, with_bias, g):
 
 
 def _check_alignment(got, ids, e, block_m):
-    """moe_align's grouping, or at one pair per tile the pairs in their own order."""
-    assert got.num_pairs == ids.numel() and got.block_m == block_m
-    if block_m == 1:
-        pairs = torch.arange(ids.numel(), dtype=torch.int32, device=ids.device)
-        assert torch.equal(got.sorted_pairs, pairs)
+    """moe_align's grouping, or with a tile per pair (one-pair tiles, or one token) the
+    pairs in their own order, each followed by its tile's pads."""
+    p = ids.numel()
+    assert got.num_pairs == p and got.block_m == block_m
+    if block_m == 1 or ids.shape[0] == 1:
+        tiles = torch.full((p, block_m), p, dtype=torch.int32, device=ids.device)
+        tiles[:, 0] = torch.arange(p, dtype=torch.int32, device=ids.device)
+        assert torch.equal(got.sorted_pairs, tiles.view(-1))
         assert torch.equal(got.block_expert, ids.reshape(-1))
         return
     want = moe_align_torch(ids, e, block_m)
@@ -82,8 +86,9 @@ def test_prologue_equals_the_separate_launches(case, monkeypatch):
     ("mxfp4", dict(KERNEL="int8", BLOCK_M=1, BLOCK_N=32, BLOCK_K=64, num_warps=4)),
     ("bf16", dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32)),
 ])  # fmt: skip
-def test_fused_moe_with_the_prologue_equals_without(fmt, config):
-    t, d, i, e, k = 3, 128, 64, 6, 2
+@pytest.mark.parametrize("t", [1, 3])  # one token: a tile per pair at any BLOCK_M
+def test_fused_moe_with_the_prologue_equals_without(fmt, config, t):
+    d, i, e, k = 128, 64, 6, 2
     args, kw = make_moe(t, d=d, i=i, e=e, a=k, fmt=fmt, seed=9)
     x = args[0]
     g = torch.Generator().manual_seed(3)
