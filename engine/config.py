@@ -52,6 +52,13 @@ class EngineConfig:
     # stream, concurrently with the routed experts (fused_moe's shared_stream). False: one
     # stream.
     shared_expert_stream: bool = True
+    # CUDA: decode graphs are captured on a high-priority stream. Graph kernel nodes keep
+    # the priority of the stream they were captured on (PyTorch instantiates graphs with
+    # node priorities), so when the main chain's kernels (attention, routing, routed
+    # experts) and the shared expert's (default priority, on its side stream) both wait
+    # for room on an SM, the main chain's blocks go first. Buckets of up to 16 sequences
+    # (cuda_graph_runner.MAIN_STREAM_FIRST_MAX_BATCH). False: equal priorities.
+    main_stream_first: bool = True
     # CUDA: MLA's expanded form (prefill) computes keys, values and attention in float32
     # (sm80 float32 GEMMs and attention on the H200). False: in the model's dtype (bf16
     # tensor cores, flash attention with a float32 softmax, as transformers' bf16 model

@@ -28,7 +28,8 @@ class LLM:
     CUDA graphs). `fp8_native_min_tokens` N lets dense FP8 linears of steps of >= N tokens
     quantize activations to FP8 on GPUs that multiply FP8 natively (default 64; None:
     never). `shared_expert_stream` runs a MoE layer's shared expert on a second CUDA
-    stream, concurrently with its routed experts, in steps of up to 64 tokens (default on).
+    stream, concurrently with its routed experts, in steps of up to 64 tokens (default on);
+    `main_stream_first` gives small decode graphs' main stream the higher priority.
     `mla_expanded_float32` False lets MLA's prefill attention run in the model's dtype on
     a GPU (default: float32).
     """
@@ -49,6 +50,7 @@ class LLM:
         async_scheduling: bool | None = None,
         fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS,
         shared_expert_stream: bool = True,
+        main_stream_first: bool = True,
         mla_expanded_float32: bool = True,
     ) -> None:
         self.config = EngineConfig(
@@ -66,6 +68,7 @@ class LLM:
             async_scheduling=async_scheduling,
             fp8_native_min_tokens=fp8_native_min_tokens,
             shared_expert_stream=shared_expert_stream,
+            main_stream_first=main_stream_first,
             mla_expanded_float32=mla_expanded_float32,
         )
         self.engine = LLMEngine(self.config)

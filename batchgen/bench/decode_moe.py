@@ -298,6 +298,7 @@ def bench_engine(
     fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS,
     shared_expert_stream: bool = True,
     mla_expanded_float32: bool = True,
+    main_stream_first: bool = True,
 ) -> tuple[list[dict], dict]:
     from engine.llm import LLM
 
@@ -311,6 +312,7 @@ def bench_engine(
         max_model_len=prompt_len + new_tokens + 16,
         fp8_native_min_tokens=fp8_native_min_tokens,
         shared_expert_stream=shared_expert_stream,
+        main_stream_first=main_stream_first,
         mla_expanded_float32=mla_expanded_float32,
     )
     runner = llm.engine.runner
@@ -475,6 +477,7 @@ def run(
     fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS,
     shared_expert_stream: bool = True,
     mla_expanded_float32: bool = True,
+    main_stream_first: bool = True,
 ) -> dict:
     from batchgen.bench.kernels import copy_bandwidth
 
@@ -492,6 +495,7 @@ def run(
         "fp8_native_min_tokens": fp8_native_min_tokens,
         "shared_expert_stream": shared_expert_stream,
         "mla_expanded_float32": mla_expanded_float32,
+        "main_stream_first": main_stream_first,
         "results": [],
         "engine_info": {},
     }
@@ -501,7 +505,8 @@ def run(
         rows, info = bench_engine(paths[w], w, batches, prompt_len, new_tokens, copy_bps,
                                   profile_step=True, fp8_native_min_tokens=fp8_native_min_tokens,
                                   shared_expert_stream=shared_expert_stream,
-                                  mla_expanded_float32=mla_expanded_float32)  # fmt: skip
+                                  mla_expanded_float32=mla_expanded_float32,
+                                  main_stream_first=main_stream_first)  # fmt: skip
         payload["results"] += rows
         payload["engine_info"][w] = info
         write_result(name, payload)  # after each phase, so a cut-off run keeps its numbers
@@ -558,8 +563,12 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--mla-expanded-float32/--mla-expanded-model-dtype", default=True,
               show_default=True,
               help="MLA's prefill attention in float32, or in the model's dtype.")  # fmt: skip
+@click.option("--main-stream-first/--equal-stream-priority", default=True, show_default=True,
+              help="Capture decode graphs on a high-priority stream (the shared expert's "
+                   "side stream keeps the default).")  # fmt: skip
 def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens, workdir, name,
-            fp8_native_min_tokens, shared_expert_stream, mla_expanded_float32):  # fmt: skip
+            fp8_native_min_tokens, shared_expert_stream, mla_expanded_float32,
+            main_stream_first):  # fmt: skip
     """Decode tok/s of a DeepSeek-V3-family MoE on the GPU vs transformers and the roofline."""
     chosen = tuple(w.strip() for w in weights.split(",") if w.strip())
     unknown = [w for w in chosen if w not in WEIGHTS]
@@ -567,7 +576,7 @@ def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens
         raise click.BadParameter(f"unknown weights {unknown}; choose from {sorted(WEIGHTS)}")
     run(preset, layers, chosen, _ints(batches), _ints(hf_batches), prompt_len, new_tokens,
         workdir, name, fp8_native_min_tokens or None, shared_expert_stream,
-        mla_expanded_float32)  # fmt: skip
+        mla_expanded_float32, main_stream_first)  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -107,14 +107,21 @@ def _gpu_logits(model, tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("dense", "experts", "native"),
-    [("bf16", "bf16", None), ("fp8", "mxfp4", None), ("fp8", "mxfp4", 1)],
+    ("dense", "experts", "native", "expanded_f32"),
+    [
+        ("bf16", "bf16", None, True),
+        ("fp8", "mxfp4", None, True),
+        ("fp8", "mxfp4", 1, True),
+        ("fp8", "mxfp4", None, False),
+    ],
 )
 def test_bf16_logits_close_to_float32_cpu_at_moonlight_shapes(
-    tmp_path, dense, experts, native, monkeypatch
+    tmp_path, dense, experts, native, expanded_f32, monkeypatch
 ):
     # native=1: every dense FP8 linear quantizes its activations (EngineConfig.
-    # fp8_native_min_tokens), one E4M3 rounding per linear input on top of bf16
+    # fp8_native_min_tokens), one E4M3 rounding per linear input on top of bf16.
+    # expanded_f32=False: the prefill's MLA expanded form in bf16 (EngineConfig.
+    # mla_expanded_float32), whose cache entries the decode step then reads
     import kernels.triton.fp8_linear as fp8_module
     from engine.llm import LLM
 
@@ -146,6 +153,7 @@ def test_bf16_logits_close_to_float32_cpu_at_moonlight_shapes(
         max_model_len=128,
         kv_cache_memory=1 << 30,
         fp8_native_min_tokens=native,
+        mla_expanded_float32=expanded_f32,
     )
     paths.clear()  # count the logits forward only, not start-up's warm-up and capture
     got = _gpu_logits(gpu.engine.runner.model, tokens)
