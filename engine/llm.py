@@ -30,8 +30,8 @@ class LLM:
     never). `shared_expert_stream` runs a MoE layer's shared expert on a second CUDA
     stream, concurrently with its routed experts, in steps of up to 64 tokens (default on);
     `main_stream_first` gives small decode graphs' main stream the higher priority.
-    `mla_expanded_float32` False lets MLA's prefill attention run in the model's dtype on
-    a GPU (default: float32).
+    `mla_expanded_float32` True computes MLA's prefill attention in float32 on a GPU
+    (default: in the model's dtype).
     """
 
     def __init__(
@@ -51,7 +51,7 @@ class LLM:
         fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS,
         shared_expert_stream: bool = True,
         main_stream_first: bool = True,
-        mla_expanded_float32: bool = True,
+        mla_expanded_float32: bool = False,
     ) -> None:
         self.config = EngineConfig(
             model=str(model),

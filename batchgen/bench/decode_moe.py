@@ -297,7 +297,7 @@ def bench_engine(
     profile_step: bool,
     fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS,
     shared_expert_stream: bool = True,
-    mla_expanded_float32: bool = True,
+    mla_expanded_float32: bool = False,
     main_stream_first: bool = True,
 ) -> tuple[list[dict], dict]:
     from engine.llm import LLM
@@ -476,7 +476,7 @@ def run(
     name: str,
     fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS,
     shared_expert_stream: bool = True,
-    mla_expanded_float32: bool = True,
+    mla_expanded_float32: bool = False,
     main_stream_first: bool = True,
 ) -> dict:
     from batchgen.bench.kernels import copy_bandwidth
@@ -560,7 +560,7 @@ def _ints(text: str) -> tuple[int, ...]:
               help="Dense FP8 linears multiply in FP8 from this many tokens (0: never).")  # fmt: skip
 @click.option("--shared-expert-stream/--one-stream", default=True, show_default=True,
               help="Run each MoE layer's shared expert on a second CUDA stream.")  # fmt: skip
-@click.option("--mla-expanded-float32/--mla-expanded-model-dtype", default=True,
+@click.option("--mla-expanded-float32/--mla-expanded-model-dtype", default=False,
               show_default=True,
               help="MLA's prefill attention in float32, or in the model's dtype.")  # fmt: skip
 @click.option("--main-stream-first/--equal-stream-priority", default=True, show_default=True,

@@ -483,7 +483,7 @@ def prepare_model(
     max_model_len: int,
     fp8_native_min_tokens: int | None = None,
     shared_expert_stream: bool = True,
-    mla_expanded_float32: bool = True,
+    mla_expanded_float32: bool = False,
 ) -> None:
     """Once after loading, on CUDA: stacked expert views, MLA decode state, the token
     count from which dense FP8 linears multiply in FP8 (EngineConfig.fp8_native_min_tokens;
