@@ -27,6 +27,26 @@ def gumbel_noise_kernel(seed_ptr, step_ptr, out_ptr, V, stride_o, BLOCK_V: tl.co
 
 
 @triton.jit
+def _max_and_normaliser(base, lo, hi, inv_t, BLOCK_V: tl.constexpr):
+    """Over z = logits[lo:hi] * inv_t: (max, sum of exp(z - max), first index of the max).
+    A span of -inf only gives (-inf, 0, lo): no NaN from exp(-inf - -inf)."""
+    m = float("-inf")
+    z_sum = 0.0
+    best = lo
+    for v0 in range(lo, hi, BLOCK_V):
+        offs = v0 + tl.arange(0, BLOCK_V)
+        z = tl.load(base + offs, mask=offs < hi, other=float("-inf")).to(tl.float32) * inv_t
+        blk_max = tl.max(z, axis=0)
+        blk_arg = tl.argmax(z, axis=0) + v0
+        best = tl.where(blk_max > m, blk_arg, best)
+        m_new = tl.maximum(m, blk_max)
+        shift = tl.where(m_new == float("-inf"), 0.0, m_new)
+        z_sum = z_sum * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), axis=0)
+        m = m_new
+    return m, z_sum, best
+
+
+@triton.jit
 def sample_kernel(
     # pointers
     logits_ptr,  # [B, V]
@@ -37,12 +57,18 @@ def sample_kernel(
     seed_ptr,  # [B] int64
     step_ptr,  # [B] int64: the row's token index, so every step draws fresh numbers
     out_ptr,  # [B] int64 sampled ids
+    part_f_ptr,  # [B, 2, BLOCK_S] float32: each split's max and normaliser (SPLITS > 1)
+    part_i_ptr,  # [B, BLOCK_S] int32: each split's first argmax (SPLITS > 1)
+    counters_ptr,  # [B] int32, zero between launches (_arrival_counters; SPLITS > 1)
     # sizes
     V,
     stride_l,
+    SPAN,  # vocabulary entries per split, a multiple of BLOCK_V
     # meta-parameters
     MAX_ROUNDS: tl.constexpr,
     BLOCK_V: tl.constexpr,
+    SPLITS: tl.constexpr,  # grid axis 1: programs sharing the first pass of a row
+    BLOCK_S: tl.constexpr,  # next power of two >= SPLITS
 ):
     """Rejection sampling from the filtered distribution without sorting.
 
@@ -52,7 +78,13 @@ def sample_kernel(
     and the next round draws again. A stays inside the candidate set, so an accepted draw
     is distributed exactly as the filtered softmax. Rounds are few in practice (each
     rejection removes the candidate and everything less likely); after MAX_ROUNDS the
-    most likely token, always in A, is returned."""
+    most likely token, always in A, is returned.
+
+    The first pass (max, normaliser, argmax: all a greedy row needs) is split over SPLITS
+    programs per row, each over SPAN entries: one program walking a 160K vocabulary is a
+    chain of 40 dependent loads (~40 us on an H200 at any batch). Each stores its partial
+    and counts itself in; the last to arrive merges them (the first split holding the max
+    gives the argmax, so ties go to the lowest index as in one pass) and goes on alone."""
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_l
     temp = tl.load(temp_ptr + row)
@@ -66,18 +98,35 @@ def sample_kernel(
     step = tl.load(step_ptr + row)
 
     # Pass 1: max and normaliser of z, and the argmax (greedy answer and the fallback).
-    m = float("-inf")
-    z_sum = 0.0
-    best = 0
-    for v0 in range(0, V, BLOCK_V):
-        offs = v0 + tl.arange(0, BLOCK_V)
-        z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_t
-        blk_max = tl.max(z, axis=0)
-        blk_arg = tl.argmax(z, axis=0) + v0
-        best = tl.where(blk_max > m, blk_arg, best)
-        m_new = tl.maximum(m, blk_max)
-        z_sum = z_sum * tl.exp(m - m_new) + tl.sum(tl.exp(z - m_new), axis=0)
-        m = m_new
+    if SPLITS == 1:
+        m, z_sum, best = _max_and_normaliser(base, 0, V, inv_t, BLOCK_V)
+    else:
+        split = tl.program_id(1)
+        lo = split * SPAN
+        m_s, z_s, best_s = _max_and_normaliser(base, lo, tl.minimum(lo + SPAN, V), inv_t, BLOCK_V)
+        tl.store(part_f_ptr + row * 2 * BLOCK_S + split, m_s)
+        tl.store(part_f_ptr + row * 2 * BLOCK_S + BLOCK_S + split, z_s)
+        tl.store(part_i_ptr + row * BLOCK_S + split, best_s)
+        # Every thread's stores before the counter's release (acq_rel at gpu scope).
+        tl.debug_barrier()
+        arrived = tl.atomic_add(counters_ptr + row, 1, sem="acq_rel", scope="gpu")
+        if arrived != SPLITS - 1:
+            return
+        # .cg: read at L2, past this SM's L1, which may hold stale lines of these buffers
+        offs_s = tl.arange(0, BLOCK_S)
+        live = offs_s < SPLITS
+        m_all = tl.load(part_f_ptr + row * 2 * BLOCK_S + offs_s, mask=live,
+                        other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+        z_all = tl.load(part_f_ptr + row * 2 * BLOCK_S + BLOCK_S + offs_s, mask=live, other=0.0,
+                        cache_modifier=".cg")  # fmt: skip
+        best_all = tl.load(part_i_ptr + row * BLOCK_S + offs_s, mask=live, other=0,
+                           cache_modifier=".cg")  # fmt: skip
+        m = tl.max(m_all, axis=0)
+        shift = tl.where(m == float("-inf"), 0.0, m)
+        z_sum = tl.sum(tl.where(m_all == float("-inf"), 0.0, z_all * tl.exp(m_all - shift)), axis=0)
+        first = tl.min(tl.where(m_all == m, offs_s, BLOCK_S), axis=0)
+        best = tl.sum(tl.where(offs_s == first, best_all, 0), axis=0)
+        tl.atomic_xchg(counters_ptr + row, 0)  # zero again for the next launch
     # min-p keeps p >= min_p * p_max, i.e. z - m >= log(min_p): start the pivot there.
     pivot = tl.where(min_p > 0.0, tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))
     pivot = pivot - 1e-6 * tl.abs(pivot)  # keep the boundary token (z == log(min_p))

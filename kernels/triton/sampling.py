@@ -12,11 +12,16 @@ Returns token ids [B] int64.
 from __future__ import annotations
 
 import torch
+import triton
 
-from kernels.triton._common import check_device
+from kernels.triton._arrival_counters import arrival_counters
+from kernels.triton._common import check_device, next_pow2
 from kernels.triton._sampling_kernels import gumbel_noise_kernel, sample_kernel
 
 MAX_ROUNDS = 32
+# Programs the first pass (max, normaliser, argmax) spreads over, all rows together: a
+# batch-1 row of 160K logits in 4096-wide blocks gets one block per program.
+FIRST_PASS_PROGRAMS = 256
 
 
 def sample(
@@ -45,12 +50,25 @@ def sample(
         assert t.dtype == dtype, f"{name} must be {dtype}, got {t.dtype}"
     check_device(logits, temperature, top_k, top_p, min_p, seed, step)
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
-    if b:
-        sample_kernel[(b,)](
-            logits, temperature, top_k, top_p, min_p, seed, step, out, v, logits.stride(0),
-            MAX_ROUNDS=MAX_ROUNDS, BLOCK_V=min(block_v, 1 << (v - 1).bit_length()),
-            num_warps=8,
-        )  # fmt: skip
+    if not b:
+        return out
+    block = min(block_v, 1 << (v - 1).bit_length())
+    blocks = triton.cdiv(v, block)
+    # enough programs to fill the GPU at batch 1; whole blocks per split, none empty
+    per_split = triton.cdiv(blocks, max(1, min(blocks, triton.cdiv(FIRST_PASS_PROGRAMS, b))))
+    splits = triton.cdiv(blocks, per_split)
+    block_s = next_pow2(splits)
+    if splits > 1:
+        part_f = torch.empty((b, 2, block_s), dtype=torch.float32, device=logits.device)
+        part_i = torch.empty((b, block_s), dtype=torch.int32, device=logits.device)
+        counters = arrival_counters(logits.device, b)
+    else:  # never touched: one program per row keeps everything in registers
+        part_f = part_i = counters = out
+    sample_kernel[(b, splits)](
+        logits, temperature, top_k, top_p, min_p, seed, step, out, part_f, part_i, counters,
+        v, logits.stride(0), per_split * block,
+        MAX_ROUNDS=MAX_ROUNDS, BLOCK_V=block, SPLITS=splits, BLOCK_S=block_s, num_warps=8,
+    )  # fmt: skip
     return out
 
 

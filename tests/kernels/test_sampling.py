@@ -73,3 +73,30 @@ def test_sampling_gpu_vocab_distribution():
     )[0].double()
     assert (got[probs == 0] == 0).all()
     assert 0.5 * (got - probs).abs().sum() < 0.05
+
+
+def test_split_first_pass_keeps_the_lowest_index_of_a_tie():
+    # v = 64 in blocks of 16: the first pass splits over 4 programs per row; the max sits
+    # in splits 1 and 3 (row 0), twice inside split 2 (row 1), at the last entry (row 2)
+    logits = _logits(3, 64, 6)
+    logits[0, [20, 50]] = 9.0
+    logits[1, [33, 40]] = 9.0
+    logits[2, 63] = 9.0
+    got = sample(logits, **params(3, temperature=0.0), block_v=16)
+    assert got.tolist() == [20, 33, 63] == logits.argmax(-1).tolist()
+
+
+def test_split_first_pass_with_a_split_of_only_minus_infinity():
+    # a split whose logits are all -inf contributes nothing (no NaN in the normaliser):
+    # unfiltered draws equal the reference's with the same noise, and top-p draws (which
+    # need the true normaliser) equal those of one program per row (block_v = 64)
+    logits = _logits(4, 48, 7)
+    logits[:, 16:32] = float("-inf")
+    p = params(4, temperature=0.9)
+    noise = gumbel_noise(p["seed"], p["step"], 48)
+    ref = sample_reference(logits, p["temperature"], p["top_k"], p["top_p"], p["min_p"], noise)
+    assert torch.equal(sample(logits, **p, block_v=16), ref)
+    p = params(4, temperature=0.9, top_p=0.8)
+    assert torch.equal(sample(logits, **p, block_v=16), sample(logits, **p, block_v=64))
+    greedy = sample(logits, **params(4, temperature=0.0), block_v=16)
+    assert torch.equal(greedy, logits.argmax(-1))
