@@ -82,7 +82,12 @@ for f in pathlib.Path(sys.argv[1]).glob("decode-*.json"):
     info = json.loads(f.read_text()).get("engine_info", {})
     for w, i in info.items():
         for k, p in i.items():
-            if k.startswith("profile"):
+            if k.startswith("profile_prefill"):
+                print(w, k, "wall ms", p.get("wall_ms"), "kernel us", p.get("kernel_us"),
+                      "host op us", p.get("host_op_us"))
+                print("   kernels", {n[:40]: v for n, v in list(p.get("top_kernels_us", {}).items())[:8]})
+                print("   host", {n[:40]: v for n, v in list(p.get("top_host_ops_us", {}).items())[:8]})
+            elif k.startswith("profile"):
                 g = p.get("graph", {})
                 print(w, k, "kernels", g.get("device_kernels_per_step"), "step", g.get("step_ms"),
                       "replay", g.get("replay_ms"), "host busy", g.get("host_busy_ms"))

@@ -175,8 +175,10 @@ class _WaitTimer:
 
 
 def profile_prefill_step(llm, prompt_len: int, vocab: int, batch: int) -> dict:
-    """Device time by kernel and wall time of the step that prefills `batch` prompts (one
-    step when they fit max_num_batched_tokens): where end-to-end time beyond decode goes."""
+    """Device time by kernel, host time by op and wall time of the step that prefills
+    `batch` prompts (one step when they fit max_num_batched_tokens): where end-to-end time
+    beyond decode goes. A wall time far above the kernels' sum points at the host (its
+    ops by self time say which)."""
     from torch.profiler import ProfilerActivity, profile
 
     from engine.sampling_params import SamplingParams
@@ -199,6 +201,10 @@ def profile_prefill_step(llm, prompt_len: int, vocab: int, batch: int) -> dict:
     device_us: collections.Counter = collections.Counter()
     for e in kernels:
         device_us[e.name[:60]] += e.time_range.elapsed_us()
+    host_us: collections.Counter = collections.Counter()
+    for e in prof.key_averages():
+        if e.self_cpu_time_total > 0:
+            host_us[e.key[:60]] += e.self_cpu_time_total
     # prompts this one step computed in full (the rest did not fit max_num_batched_tokens)
     prefilled = sum(1 for s in engine.scheduler.running if s.num_computed >= len(s) - 1)
     while engine.has_unfinished():
@@ -210,6 +216,8 @@ def profile_prefill_step(llm, prompt_len: int, vocab: int, batch: int) -> dict:
         "kernel_us": sum(device_us.values()),
         "kernels": len(kernels),
         "top_kernels_us": {n: round(us, 1) for n, us in device_us.most_common(16)},
+        "host_op_us": sum(host_us.values()),
+        "top_host_ops_us": {n: round(us, 1) for n, us in host_us.most_common(16)},
     }
 
 
@@ -354,6 +362,9 @@ def bench_engine(
         info["profile_batch1"] = profile_decode_step(llm, prompt_len, vocab)
         log(f"{weights}: profile {info['profile_batch1']}")
         big = max(batches)
+        if 1 in batches and big > 1:  # one prompt: the fixed cost of a prefill step
+            info["profile_prefill_batch1"] = profile_prefill_step(llm, prompt_len, vocab, 1)
+            log(f"{weights}: prefill profile {info['profile_prefill_batch1']}")
         if big > 1:
             info[f"profile_batch{big}"] = profile_decode_step(
                 llm, prompt_len, vocab, batch=big, modes=("graph",)

@@ -21,3 +21,4 @@ def test_prefill_profile_counts_the_prompts_one_step_computed(tiny_model_dir):
     p = profile_prefill_step(llm, prompt_len=5, vocab=vocab, batch=4)
     assert p["prompts"] == 4 and p["prefilled_prompts"] == 2  # 12 tokens: two 5-token prompts
     assert p["wall_ms"] > 0 and not llm.engine.has_unfinished()
+    assert p["host_op_us"] > 0 and p["top_host_ops_us"]  # where the host's time went
