@@ -84,7 +84,10 @@ def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[
     return torch.randint(258, vocab, (batch, length), generator=gen).tolist()
 
 
-def run_engine_batch(llm, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict:
+def run_engine_batch(
+    llm, batch: int, prompt_len: int, new_tokens: int, vocab: int, sampling: dict | None = None
+) -> dict:
+    """`sampling`: SamplingParams fields of the measured requests (default greedy)."""
     from engine.sampling_params import SamplingParams
 
     engine = llm.engine
@@ -96,7 +99,8 @@ def run_engine_batch(llm, batch: int, prompt_len: int, new_tokens: int, vocab: i
         engine.add_request(f"warm{batch}-{i}", prompt, warm)
     while engine.has_unfinished():
         engine.step()
-    params = SamplingParams(temperature=0.0, max_tokens=new_tokens, ignore_eos=True)
+    params = SamplingParams(**(sampling or {"temperature": 0.0}), max_tokens=new_tokens,
+                            ignore_eos=True)  # fmt: skip
     for i, prompt in enumerate(random_prompts(batch, prompt_len, vocab, seed=batch)):
         engine.add_request(f"b{batch}-{i}", prompt, params)
     decode_s: list[float] = []
@@ -307,6 +311,7 @@ def bench_engine(
     shared_expert_stream: bool = True,
     mla_expanded_float32: bool = False,
     main_stream_first: bool = True,
+    sampling: dict | None = None,
 ) -> tuple[list[dict], dict]:
     from engine.llm import LLM
 
@@ -337,7 +342,7 @@ def bench_engine(
     mean_context = prompt_len + new_tokens // 2
     rows = []
     for batch in batches:
-        r = run_engine_batch(llm, batch, prompt_len, new_tokens, vocab)
+        r = run_engine_batch(llm, batch, prompt_len, new_tokens, vocab, sampling)
         parts = step_bytes(model, batch, mean_context, kv_per_token)
         nbytes = sum(parts.values())
         roof_tok_s = batch / (nbytes / copy_bps)
@@ -489,6 +494,7 @@ def run(
     shared_expert_stream: bool = True,
     mla_expanded_float32: bool = False,
     main_stream_first: bool = True,
+    sampling: dict | None = None,
 ) -> dict:
     from batchgen.bench.kernels import copy_bandwidth
 
@@ -507,6 +513,7 @@ def run(
         "shared_expert_stream": shared_expert_stream,
         "mla_expanded_float32": mla_expanded_float32,
         "main_stream_first": main_stream_first,
+        "sampling": sampling or {"temperature": 0.0},
         "results": [],
         "engine_info": {},
     }
@@ -517,7 +524,8 @@ def run(
                                   profile_step=True, fp8_native_min_tokens=fp8_native_min_tokens,
                                   shared_expert_stream=shared_expert_stream,
                                   mla_expanded_float32=mla_expanded_float32,
-                                  main_stream_first=main_stream_first)  # fmt: skip
+                                  main_stream_first=main_stream_first,
+                                  sampling=sampling)  # fmt: skip
         payload["results"] += rows
         payload["engine_info"][w] = info
         write_result(name, payload)  # after each phase, so a cut-off run keeps its numbers
@@ -577,9 +585,12 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--main-stream-first/--equal-stream-priority", default=True, show_default=True,
               help="Capture decode graphs on a high-priority stream (the shared expert's "
                    "side stream keeps the default).")  # fmt: skip
+@click.option("--temperature", type=float, default=0.0, show_default=True,
+              help="Our engine's requests: 0 is greedy (transformers stays greedy).")  # fmt: skip
+@click.option("--top-p", type=float, default=1.0, show_default=True)
 def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens, workdir, name,
             fp8_native_min_tokens, shared_expert_stream, mla_expanded_float32,
-            main_stream_first):  # fmt: skip
+            main_stream_first, temperature, top_p):  # fmt: skip
     """Decode tok/s of a DeepSeek-V3-family MoE on the GPU vs transformers and the roofline."""
     chosen = tuple(w.strip() for w in weights.split(",") if w.strip())
     unknown = [w for w in chosen if w not in WEIGHTS]
@@ -587,7 +598,8 @@ def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens
         raise click.BadParameter(f"unknown weights {unknown}; choose from {sorted(WEIGHTS)}")
     run(preset, layers, chosen, _ints(batches), _ints(hf_batches), prompt_len, new_tokens,
         workdir, name, fp8_native_min_tokens or None, shared_expert_stream,
-        mla_expanded_float32, main_stream_first)  # fmt: skip
+        mla_expanded_float32, main_stream_first,
+        {"temperature": temperature, "top_p": top_p, "seed": 0} if temperature > 0 else None)  # fmt: skip
 
 
 if __name__ == "__main__":

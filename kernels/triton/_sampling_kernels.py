@@ -27,12 +27,16 @@ def gumbel_noise_kernel(seed_ptr, step_ptr, out_ptr, V, stride_o, BLOCK_V: tl.co
 
 
 @triton.jit
-def _max_and_normaliser(base, lo, hi, inv_t, BLOCK_V: tl.constexpr):
-    """Over z = logits[lo:hi] * inv_t: (max, sum of exp(z - max), first index of the max).
-    A span of -inf only gives (-inf, 0, lo): no NaN from exp(-inf - -inf)."""
+def _first_pass(base, lo, hi, inv_t, draw, seed, step, BLOCK_V: tl.constexpr):
+    """Over z = logits[lo:hi] * inv_t: (max, sum of exp(z - max), first index of the max,
+    and when `draw` the first round's Gumbel race: its best key and winner among finite z).
+    A span of -inf only gives (-inf, 0, lo, -inf, lo): no NaN from exp(-inf - -inf). The
+    race's keys leave out the global max that the rounds subtract: the same argmax."""
     m = float("-inf")
     z_sum = 0.0
     best = lo
+    race = float("-inf")
+    winner = lo
     for v0 in range(lo, hi, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
         z = tl.load(base + offs, mask=offs < hi, other=float("-inf")).to(tl.float32) * inv_t
@@ -43,7 +47,12 @@ def _max_and_normaliser(base, lo, hi, inv_t, BLOCK_V: tl.constexpr):
         shift = tl.where(m_new == float("-inf"), 0.0, m_new)
         z_sum = z_sum * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), axis=0)
         m = m_new
-    return m, z_sum, best
+        if draw:
+            key = tl.where(z > float("-inf"), z + _gumbel(seed, step, 0, offs), float("-inf"))
+            key_max = tl.max(key, axis=0)
+            winner = tl.where(key_max > race, tl.argmax(key, axis=0) + v0, winner)
+            race = tl.maximum(race, key_max)
+    return m, z_sum, best, race, winner
 
 
 @triton.jit
@@ -57,8 +66,8 @@ def sample_kernel(
     seed_ptr,  # [B] int64
     step_ptr,  # [B] int64: the row's token index, so every step draws fresh numbers
     out_ptr,  # [B] int64 sampled ids
-    part_f_ptr,  # [B, 2, BLOCK_S] float32: each split's max and normaliser (SPLITS > 1)
-    part_i_ptr,  # [B, BLOCK_S] int32: each split's first argmax (SPLITS > 1)
+    part_f_ptr,  # [B, 3, BLOCK_S] float32: each split's max, normaliser, race (SPLITS > 1)
+    part_i_ptr,  # [B, 2, BLOCK_S] int32: each split's first argmax and winner (SPLITS > 1)
     counters_ptr,  # [B] int32, zero between launches (_arrival_counters; SPLITS > 1)
     # sizes
     V,
@@ -80,11 +89,14 @@ def sample_kernel(
     rejection removes the candidate and everything less likely); after MAX_ROUNDS the
     most likely token, always in A, is returned.
 
-    The first pass (max, normaliser, argmax: all a greedy row needs) is split over SPLITS
-    programs per row, each over SPAN entries: one program walking a 160K vocabulary is a
-    chain of 40 dependent loads (~40 us on an H200 at any batch). Each stores its partial
-    and counts itself in; the last to arrive merges them (the first split holding the max
-    gives the argmax, so ties go to the lowest index as in one pass) and goes on alone."""
+    The first pass (max, normaliser, argmax: all a greedy row needs; without min-p also
+    the first draw) is split over SPLITS programs per row, each over SPAN entries: one
+    program walking a 160K vocabulary is a chain of 40 dependent loads (~40 us on an H200
+    at any batch). Each stores its partial and counts itself in; the last to arrive merges
+    them (the first split holding the max gives the argmax, so ties go to the lowest index
+    as in one pass) and goes on alone. Each later pass checks one draw and makes the next
+    (the draw a rejection asks for is known before the check ends: pivot = z_w), so a
+    round costs one pass, and a row with no filter takes its first draw without any."""
     row = tl.program_id(0).to(tl.int64)
     base = logits_ptr + row * stride_l
     temp = tl.load(temp_ptr + row)
@@ -97,16 +109,26 @@ def sample_kernel(
     seed = tl.load(seed_ptr + row)
     step = tl.load(step_ptr + row)
 
-    # Pass 1: max and normaliser of z, and the argmax (greedy answer and the fallback).
+    # min-p keeps p >= min_p * p_max, i.e. z - m >= log(min_p): the first pivot. Without
+    # min-p it is -inf, and the first draw needs no global max: the first pass makes it.
+    draw0 = (not greedy) & (min_p <= 0.0)
+    # Pass 1: max and normaliser of z, the argmax (greedy answer and the fallback), and
+    # without min-p the first round's draw.
     if SPLITS == 1:
-        m, z_sum, best = _max_and_normaliser(base, 0, V, inv_t, BLOCK_V)
+        m, z_sum, best, race, winner = _first_pass(base, 0, V, inv_t, draw0, seed, step, BLOCK_V)
     else:
         split = tl.program_id(1)
         lo = split * SPAN
-        m_s, z_s, best_s = _max_and_normaliser(base, lo, tl.minimum(lo + SPAN, V), inv_t, BLOCK_V)
-        tl.store(part_f_ptr + row * 2 * BLOCK_S + split, m_s)
-        tl.store(part_f_ptr + row * 2 * BLOCK_S + BLOCK_S + split, z_s)
-        tl.store(part_i_ptr + row * BLOCK_S + split, best_s)
+        m_s, z_s, best_s, race_s, winner_s = _first_pass(
+            base, lo, tl.minimum(lo + SPAN, V), inv_t, draw0, seed, step, BLOCK_V
+        )
+        part_f = part_f_ptr + row * 3 * BLOCK_S
+        part_i = part_i_ptr + row * 2 * BLOCK_S
+        tl.store(part_f + split, m_s)
+        tl.store(part_f + BLOCK_S + split, z_s)
+        tl.store(part_f + 2 * BLOCK_S + split, race_s)
+        tl.store(part_i + split, best_s)
+        tl.store(part_i + BLOCK_S + split, winner_s)
         # Every thread's stores before the counter's release (acq_rel at gpu scope).
         tl.debug_barrier()
         arrived = tl.atomic_add(counters_ptr + row, 1, sem="acq_rel", scope="gpu")
@@ -115,51 +137,68 @@ def sample_kernel(
         # .cg: read at L2, past this SM's L1, which may hold stale lines of these buffers
         offs_s = tl.arange(0, BLOCK_S)
         live = offs_s < SPLITS
-        m_all = tl.load(part_f_ptr + row * 2 * BLOCK_S + offs_s, mask=live,
-                        other=float("-inf"), cache_modifier=".cg")  # fmt: skip
-        z_all = tl.load(part_f_ptr + row * 2 * BLOCK_S + BLOCK_S + offs_s, mask=live, other=0.0,
-                        cache_modifier=".cg")  # fmt: skip
-        best_all = tl.load(part_i_ptr + row * BLOCK_S + offs_s, mask=live, other=0,
+        m_all = tl.load(part_f + offs_s, mask=live, other=float("-inf"), cache_modifier=".cg")
+        z_all = tl.load(part_f + BLOCK_S + offs_s, mask=live, other=0.0, cache_modifier=".cg")
+        race_all = tl.load(part_f + 2 * BLOCK_S + offs_s, mask=live, other=float("-inf"),
                            cache_modifier=".cg")  # fmt: skip
+        best_all = tl.load(part_i + offs_s, mask=live, other=0, cache_modifier=".cg")
+        winner_all = tl.load(part_i + BLOCK_S + offs_s, mask=live, other=0, cache_modifier=".cg")
         m = tl.max(m_all, axis=0)
         shift = tl.where(m == float("-inf"), 0.0, m)
         z_sum = tl.sum(tl.where(m_all == float("-inf"), 0.0, z_all * tl.exp(m_all - shift)), axis=0)
+        # the first split holding the max: ties go to the lowest index, as in one pass
         first = tl.min(tl.where(m_all == m, offs_s, BLOCK_S), axis=0)
         best = tl.sum(tl.where(offs_s == first, best_all, 0), axis=0)
+        race = tl.max(race_all, axis=0)
+        first = tl.min(tl.where(race_all == race, offs_s, BLOCK_S), axis=0)
+        winner = tl.sum(tl.where(offs_s == first, winner_all, 0), axis=0)
         tl.atomic_xchg(counters_ptr + row, 0)  # zero again for the next launch
-    # min-p keeps p >= min_p * p_max, i.e. z - m >= log(min_p): start the pivot there.
+    if race == float("-inf"):
+        winner = best  # no draw made (or nothing finite to draw from)
     pivot = tl.where(min_p > 0.0, tl.log(tl.maximum(min_p, 1e-30)), float("-inf"))
     pivot = pivot - 1e-6 * tl.abs(pivot)  # keep the boundary token (z == log(min_p))
 
     result = best
     done = greedy.to(tl.int32)
-    rnd = 0
-    while (done == 0) & (rnd < MAX_ROUNDS):
-        # Draw: argmax of z + Gumbel over z > pivot.
-        race_best = float("-inf")
+    # No filter at all: every draw is accepted, so the first is the answer.
+    if draw0 & (top_k >= V) & (top_p >= 1.0):
+        result = winner
+        done = 1
+    if (done == 0) & (min_p > 0.0):
+        # The first draw over z > pivot, which needed the global max: one pass.
+        race = float("-inf")
         winner = best
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + tl.arange(0, BLOCK_V)
             z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_t - m
-            key = tl.where(z > pivot, z + _gumbel(seed, step, rnd, offs), float("-inf"))
-            blk_max = tl.max(key, axis=0)
-            blk_arg = tl.argmax(key, axis=0) + v0
-            winner = tl.where(blk_max > race_best, blk_arg, winner)
-            race_best = tl.maximum(race_best, blk_max)
+            key = tl.where(z > pivot, z + _gumbel(seed, step, 0, offs), float("-inf"))
+            key_max = tl.max(key, axis=0)
+            winner = tl.where(key_max > race, tl.argmax(key, axis=0) + v0, winner)
+            race = tl.maximum(race, key_max)
+    rnd = 0
+    while (done == 0) & (rnd < MAX_ROUNDS):
+        # Check the draw w: how many tokens, and how much mass, are strictly more likely.
+        # The same pass makes the next round's draw, over z > z_w with its own noise,
+        # which is the draw a rejection asks for (unused when w is accepted).
         z_w = tl.load(base + winner).to(tl.float32) * inv_t - m
-        # Check: how many tokens, and how much mass, are strictly more likely than w.
         above = 0
         mass = 0.0
+        next_race = float("-inf")
+        next_winner = best
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + tl.arange(0, BLOCK_V)
             z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_t - m
             more = z > z_w
             above += tl.sum(more.to(tl.int32), axis=0)
             mass += tl.sum(tl.where(more, tl.exp(z), 0.0), axis=0)
+            key = tl.where(more, z + _gumbel(seed, step, rnd + 1, offs), float("-inf"))
+            key_max = tl.max(key, axis=0)
+            next_winner = tl.where(key_max > next_race, tl.argmax(key, axis=0) + v0, next_winner)
+            next_race = tl.maximum(next_race, key_max)
         ok = (above < top_k) & (mass / z_sum < top_p)
-        ok = ok | (race_best == float("-inf"))  # nothing left above the pivot: cannot happen
+        ok = ok | (race == float("-inf"))  # nothing left above the pivot: cannot happen
         result = tl.where(ok, winner, result)
         done = ok.to(tl.int32)
-        pivot = z_w
+        winner, race = next_winner, next_race
         rnd += 1
     tl.store(out_ptr + row, result.to(tl.int64))

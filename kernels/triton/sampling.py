@@ -59,8 +59,8 @@ def sample(
     splits = triton.cdiv(blocks, per_split)
     block_s = next_pow2(splits)
     if splits > 1:
-        part_f = torch.empty((b, 2, block_s), dtype=torch.float32, device=logits.device)
-        part_i = torch.empty((b, block_s), dtype=torch.int32, device=logits.device)
+        part_f = torch.empty((b, 3, block_s), dtype=torch.float32, device=logits.device)
+        part_i = torch.empty((b, 2, block_s), dtype=torch.int32, device=logits.device)
         counters = arrival_counters(logits.device, b)
     else:  # never touched: one program per row keeps everything in registers
         part_f = part_i = counters = out

@@ -13,6 +13,9 @@ def test_batch_run_splits_prefill_from_decode(tiny_model_dir):
     r = run_engine_batch(llm, batch=3, prompt_len=5, new_tokens=4, vocab=vocab)
     assert r["decode_steps"] == 3 and r["prefill_ms"] > 0 and r["tok_s"] > 0
     assert not llm.engine.has_unfinished()
+    sampled = {"temperature": 0.8, "top_p": 0.9, "seed": 0}
+    r = run_engine_batch(llm, batch=2, prompt_len=5, new_tokens=4, vocab=vocab, sampling=sampled)
+    assert r["decode_steps"] == 3 and not llm.engine.has_unfinished()
 
 
 def test_prefill_profile_counts_the_prompts_one_step_computed(tiny_model_dir):
