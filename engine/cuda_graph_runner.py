@@ -231,8 +231,8 @@ class CudaGraphRunner:
         self.inputs.fill([], self.buckets[-1])  # every row padding: valid, harmless inputs
         pool = None
         # EngineConfig.main_stream_first: the kernels captured on the high-priority stream
-        # keep its priority, those on the side streams (shared expert, L2 prefetch) the
-        # default; only buckets up to MAIN_STREAM_FIRST_MAX_BATCH use it
+        # keep its priority, those on the shared expert's side stream the default; only
+        # buckets up to MAIN_STREAM_FIRST_MAX_BATCH use it
         device = self.runner.device
         first = torch.cuda.Stream(device, priority=-1)
         equal = torch.cuda.Stream(device)

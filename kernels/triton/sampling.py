@@ -5,7 +5,8 @@ any mix of greedy and sampled rows:
   temperature float32 (<= 0: greedy), top_k int32 (<= 0: off), top_p float32 (>= 1: off),
   min_p float32 (<= 0: off), seed int64, step int64 (the row's output position).
 Random numbers come from Philox keyed by (seed, step, round), drawn inside the kernel, so a
-row's tokens depend only on its own seed and logits, never on the batch it ran in.
+row's tokens depend only on its own seed and logits, never on the batch it ran in (nor on
+how many programs the first pass is split over: the noise is keyed by vocabulary index).
 Returns token ids [B] int64.
 """
 
