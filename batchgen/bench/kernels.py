@@ -185,8 +185,12 @@ def bench_moe(
                          else _prefill_candidates(cfg))  # fmt: skip
             else:
                 cands = _moe_candidates(cfg, case.fmt)
-            cfg = _tune(lambda c, x=x, r=routings: graphed(
-                _moe_calls(fused_moe, x, weights, r, fmt=case.fmt, config=c)), cands)  # fmt: skip
+
+            def make(c, x=x, r=routings):
+                return graphed(_moe_calls(fused_moe, x, weights, r, fmt=case.fmt, config=c))
+
+            cfg = _tune(make, cands)
+            cfg = _tune(make, [cfg] + _down_candidates(cfg))  # then the down's own tile
             tuned[shape_key(t, case.top_k, case.e, case.d, case.i, case.fmt)] = cfg
         calls = _moe_calls(fused_moe, x, weights, routings, fmt=case.fmt, config=cfg)
         ms = time_graphed(calls)
@@ -347,6 +351,21 @@ def _moe_candidates(base: dict, fmt: str) -> list[dict]:
     for bn, stages, warps in itertools.product((32, 64, 128), (3, 5), (4,)):
         out.append(dict(base, BLOCK_N=bn, num_stages=stages, num_warps=warps))
     return out + _split_candidates(base) + _swap_candidates(base, fmt)
+
+
+def _down_candidates(best: dict) -> list[dict]:
+    """Second stage: the winner with a tile of the down launch's own (fused_moe's DOWN):
+    other row tiles and K splits for the MMA kernels, row tiles and warps for the int8
+    ones. One config for both launches has to suit gate+up, which has ~twice the rows."""
+    from kernels.triton.fused_moe import down_config
+
+    if best.get("KERNEL") == "int8":
+        grid = [dict(BLOCK_N=bn, num_warps=w) for bn, w in itertools.product((32, 64, 128), (4, 8))]
+    else:
+        row_tiles = (64, 128) if down_config(best).get("SWAP_AB") else (32, 64, 128)
+        grid = [dict(BLOCK_N=bn, SPLIT_K=sp) for bn, sp in itertools.product(row_tiles, (1, 2, 4))]
+    same = down_config(best)
+    return [dict(best, DOWN=d) for d in grid if any(same.get(k, 1) != v for k, v in d.items())]
 
 
 def _split_candidates(base: dict) -> list[dict]:

@@ -258,6 +258,7 @@ def fused_moe(
     s13, *s13_strides = _scale_args(w13, w13_scale, expert_dim=True)
     s2, *s2_strides = _scale_args(w2, w2_scale, expert_dim=True)
     meta = _launch_meta(cfg) if cfg.get("KERNEL") != "int8" else {}
+    down = down_config(cfg)
     pairs, groups = align.sorted_pairs, align.block_expert
     pending = shared if isinstance(shared, PendingSharedExpert) else None
     assert pending is None or pending.h.shape[0] == t, "a shared expert started for another x"
@@ -293,22 +294,23 @@ def fused_moe(
         if inline is not None:
             h_shared = _shared_gate_up(x, inline, d)
         if int8:
-            moe_down_int8_kernel[(max_blocks, triton.cdiv(d, cfg["BLOCK_N"]))](
+            moe_down_int8_kernel[(max_blocks, triton.cdiv(d, down["BLOCK_N"]))](
                 hq, hs, w2_words, s2, route_w, y, pairs, groups,
                 p, d, i,
                 hq.stride(0), hs.stride(0), w2_words.stride(0), w2_words.stride(1), *s2_strides,
                 y.stride(0),
-                TOPK=top_k, **_int8_meta(cfg),
+                TOPK=top_k, **_int8_meta(down),
             )  # fmt: skip
         else:
             # The down GEMM may split K (its partials meet in the atomic combine anyway): at a
             # few tokens its D / BLOCK_N tiles of the few touched experts fill too few SMs.
-            split = cfg.get("SPLIT_K", 1)
-            moe_down_kernel[(max_blocks, triton.cdiv(d, cfg["BLOCK_N"]), split)](
+            split = down.get("SPLIT_K", 1)
+            moe_down_kernel[(max_blocks, triton.cdiv(d, down["BLOCK_N"]), split)](
                 h, w2, s2, route_w, y, pairs, groups,
                 p, d, i,
                 h.stride(0), w2.stride(0), w2.stride(1), *s2_strides, y.stride(0),
-                TOPK=top_k, WFMT=_wfmt(fmt, w2_scale), DENSE=False, SPLIT_K=split, **meta,
+                TOPK=top_k, WFMT=_wfmt(fmt, w2_scale), DENSE=False, SPLIT_K=split,
+                **_launch_meta(down),
             )  # fmt: skip
         if inline is not None:
             _shared_down(h_shared, inline, y)
@@ -329,8 +331,34 @@ def choose_config(
     return cfg
 
 
+# What a config's "DOWN" entry may set for the down launch alone (its tile along D and K,
+# its warps and stages, its orientation, its K split); the token tiles (BLOCK_M) are the
+# grouping's and stay shared.
+DOWN_KEYS = {
+    "mma": {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SWAP_AB", "SPLIT_K"},
+    "int8": {"BLOCK_N", "BLOCK_K", "num_warps"},
+}
+
+
+def down_config(cfg: dict) -> dict:
+    """The config of the down launch: `cfg` with its DOWN overrides applied (and without
+    GU_SPLIT_K, a gate+up option). The two projections differ in shape (2I x D against
+    D x I), so a tile that suits one may leave the other too few programs or too short a
+    K loop."""
+    down = {k: v for k, v in cfg.items() if k not in ("DOWN", "GU_SPLIT_K")}
+    down.update(cfg.get("DOWN", {}))
+    return down
+
+
 def _check_config(cfg: dict, fmt: str) -> None:
     """A config (given, tuned or heuristic) the kernels can run for this weight format."""
+    if "DOWN" in cfg:
+        kind = "int8" if cfg.get("KERNEL") == "int8" else "mma"
+        unknown = set(cfg["DOWN"]) - DOWN_KEYS[kind]
+        assert not unknown, (
+            f"DOWN may set {sorted(DOWN_KEYS[kind])} of the {kind} kernels, not {unknown}"
+        )
+        _check_config(down_config(cfg), fmt)
     if cfg.get("KERNEL") == "int8":
         assert fmt == "mxfp4", f"the int8 kernels take MXFP4 experts, not {fmt!r}"
         assert cfg["BLOCK_K"] % 32 == 0, (

@@ -374,3 +374,25 @@ def test_fused_moe_shared_expert_on_a_side_stream(fmt, t):
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(captured, fused_moe(*args, **call)) < 1e-5
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+def test_fused_moe_down_launch_takes_its_own_tile(fmt):
+    # a config's DOWN entry: the down launch's own N tile, K step, orientation and K split
+    # (here against a gate+up in the other orientation with its own D split)
+    args, kw = make_moe(5, d=160, i=96, e=4, a=2, fmt=fmt, seed=17)
+    block_k = 64 if fmt != "fp8" else 128
+    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=block_k, SWAP_AB=True, GU_SPLIT_K=2,
+               num_warps=4, num_stages=2,
+               DOWN=dict(BLOCK_N=32, BLOCK_K=32, SWAP_AB=False, SPLIT_K=3))  # fmt: skip
+    out = fused_moe(*args, **kw, config=cfg)
+    assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
+
+
+def test_down_overrides_are_checked():
+    args, kw = make_moe(2, d=64, i=96, e=4, a=2, fmt="bf16", seed=18)
+    base = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
+    with pytest.raises(AssertionError, match="DOWN may set"):
+        fused_moe(*args, **kw, config=dict(base, DOWN=dict(BLOCK_M=32)))
+    with pytest.raises(AssertionError, match="MXFP4_DOT_SCALED"):  # the merged config too
+        fused_moe(*args, **kw, config=dict(base, MXFP4_DOT_SCALED=True, DOWN=dict(SWAP_AB=True)))

@@ -104,6 +104,15 @@ def test_int8_moe_matches_the_float_reference(t, a, e, block_n, block_k):
     assert rel_err(out, fused_moe_reference(*args, **kw)) < 3e-2
 
 
+def test_int8_down_launch_takes_its_own_tile():
+    # DOWN: the down launch's own row tile, K step and warps (gate+up keeps 32 x 64)
+    args, kw = make_moe(4, d=160, i=96, e=5, a=3, fmt="mxfp4", seed=41)
+    cfg = dict(INT8, DOWN=dict(BLOCK_N=128, BLOCK_K=32, num_warps=8))
+    assert rel_err(fused_moe(*args, **kw, config=cfg), fused_moe_reference(*args, **kw)) < 3e-2
+    with pytest.raises(AssertionError, match="DOWN may set"):
+        fused_moe(*args, **kw, config=dict(INT8, DOWN=dict(SPLIT_K=2)))
+
+
 def test_int8_moe_with_the_shared_expert_and_float32_out():
     args, kw = make_moe(3, d=128, i=64, e=4, a=2, fmt="mxfp4", seed=4)
     shared = random_shared(128, 64, "fp8", seed=5)
