@@ -304,6 +304,28 @@ def _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, BLOCK_M: tl.constexpr
 
 
 @triton.jit
+def _tile_ids(GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of this program. The GPU starts programs in launch order, axis 0
+    fastest: one N column of every token tile, then the next column. At prefill sizes one
+    column's tiles gather more activation rows than the L2 holds (16K tokens: ~400 MB), so
+    each column read them from HBM again (gate+up: 22 columns). GROUP_M > 1 renumbers the
+    launch order into groups of GROUP_M consecutive token tiles (one or two experts) that
+    run all their columns before the next group: the group's activations and weights stay
+    in the L2 while every column reads them."""
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    if GROUP_M > 1:
+        num_m = tl.num_programs(0)
+        per_group = GROUP_M * tl.num_programs(1)
+        launch = pid_n * num_m + pid_m
+        first_m = (launch // per_group) * GROUP_M
+        size_m = tl.minimum(num_m - first_m, GROUP_M)
+        pid_m = first_m + (launch % per_group) % size_m
+        pid_n = (launch % per_group) // size_m
+    return pid_m, pid_n
+
+
+@triton.jit
 def moe_gate_up_kernel(
     # pointers
     x_ptr,  # [T, D] activations
@@ -338,9 +360,9 @@ def moe_gate_up_kernel(
     SWAP_AB: tl.constexpr = False,  # acc [BLOCK_N, BLOCK_M] = W @ x^T (module docstring)
     GU_SPLIT_K: tl.constexpr = 1,  # SWAP_AB only: grid axis 2 splits D; the last split to
     # arrive (arrival counter) sums the partials and applies SiLU * up
+    GROUP_M: tl.constexpr = 1,  # token tiles per launch-order group (_tile_ids)
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _tile_ids(GROUP_M)
     expert, pairs = _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, BLOCK_M, DENSE)
     if expert < 0:
         return
@@ -461,9 +483,9 @@ def moe_down_kernel(
     MXFP4_DOT_SCALED: tl.constexpr = False,  # tl.dot_scaled instead of the hand decode
     SPLIT_K: tl.constexpr = 1,  # grid axis 2: K splits, each adding its partial into y
     SWAP_AB: tl.constexpr = False,  # acc [BLOCK_N, BLOCK_M] = W @ h^T (module docstring)
+    GROUP_M: tl.constexpr = 1,  # token tiles per launch-order group (_tile_ids)
 ):
-    pid_m = tl.program_id(0)
-    pid_n = tl.program_id(1)
+    pid_m, pid_n = _tile_ids(GROUP_M)
     expert, pairs = _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, BLOCK_M, DENSE)
     if expert < 0:
         return

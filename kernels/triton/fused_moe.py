@@ -373,7 +373,8 @@ def _check_config(cfg: dict, fmt: str) -> None:
             "int8 needs BLOCK_N a multiple of 32 (gate+up quantizes whole 32-unit blocks of "
             f"h), got {cfg['BLOCK_N']}"
         )
-        others = {"SWAP_AB", "GU_SPLIT_K", "SPLIT_K", "MXFP4_DOT_SCALED", "MXFP4_ASM"} & set(cfg)
+        others = {"SWAP_AB", "GU_SPLIT_K", "SPLIT_K", "MXFP4_DOT_SCALED", "MXFP4_ASM", "GROUP_M"}
+        others &= set(cfg)
         assert not others, f"options of the MMA kernels do not apply to the int8 ones: {others}"
         return
     if fmt == "fp8":
@@ -412,7 +413,7 @@ def _launch_meta(cfg: dict) -> dict:
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                 F32_DOT=interpreting(), MXFP4_ASM=cfg.get("MXFP4_ASM", True),
                 MXFP4_DOT_SCALED=cfg.get("MXFP4_DOT_SCALED", False),
-                SWAP_AB=cfg.get("SWAP_AB", False),
+                SWAP_AB=cfg.get("SWAP_AB", False), GROUP_M=cfg.get("GROUP_M", 1),
                 num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))  # fmt: skip
 
 

@@ -7,7 +7,12 @@ import kernels.triton.fused_moe as fused_moe_module
 from kernels.reference.fused_moe import fused_moe_reference
 from kernels.reference.quant_formats import dequant_mxfp4, random_fp8_block, random_mxfp4
 from kernels.triton._common import interpreting
-from kernels.triton._fused_moe_kernels import _mxfp4_factors, _mxfp4_weight_rows, _mxfp4_weights
+from kernels.triton._fused_moe_kernels import (
+    _mxfp4_factors,
+    _mxfp4_weight_rows,
+    _mxfp4_weights,
+    _tile_ids,
+)
 from kernels.triton.fused_moe import SharedExpert, fused_moe
 from kernels.triton.moe_align import moe_align, moe_align_torch
 from tests.kernels._helpers import DEVICE, gpu_only, rel_err
@@ -374,6 +379,31 @@ def test_fused_moe_shared_expert_on_a_side_stream(fmt, t):
     graph.replay()
     torch.cuda.synchronize()
     assert rel_err(captured, fused_moe(*args, **call)) < 1e-5
+
+
+@triton.jit
+def _tile_ids_kernel(hits_ptr, GROUP_M: tl.constexpr):
+    pid_m, pid_n = _tile_ids(GROUP_M)
+    tl.atomic_add(hits_ptr + pid_m * tl.num_programs(1) + pid_n, 1)
+
+
+@pytest.mark.parametrize("num_m,num_n,group_m", [(7, 5, 3), (12, 22, 8), (5, 3, 8), (9, 1, 4)])
+def test_grouped_tile_ids_visit_every_tile_once(num_m, num_n, group_m):
+    # a partial last group (7 = 3 + 3 + 1), groups larger than the grid, one column
+    hits = torch.zeros(num_m * num_n, dtype=torch.int32, device=DEVICE)
+    _tile_ids_kernel[(num_m, num_n)](hits, GROUP_M=group_m)
+    assert torch.equal(hits.cpu(), torch.ones(num_m * num_n, dtype=torch.int32))
+
+
+@pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
+@pytest.mark.parametrize("swap", [False, True])
+def test_fused_moe_grouped_launch_order(fmt, swap):
+    # 40 tokens x 3 experts each over 5 experts: ~12 token tiles of 16 in groups of 3
+    args, kw = make_moe(40, d=160, i=96, e=5, a=3, fmt=fmt, seed=23)
+    cfg = dict(BLOCK_M=16, BLOCK_N=64 if swap else 32, BLOCK_K=64 if fmt != "fp8" else 128,
+               SWAP_AB=swap, GROUP_M=3, num_warps=4, num_stages=2)  # fmt: skip
+    out = fused_moe(*args, **kw, config=cfg)
+    assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
 
 
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
