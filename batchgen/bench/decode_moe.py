@@ -195,7 +195,9 @@ def profile_prefill_step(llm, prompt_len: int, vocab: int, batch: int) -> dict:
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize()
-    with profile(activities=activities) as prof:
+    # verbose: without it key_averages(group_by_stack_n) returns empty stacks
+    verbose = torch._C._profiler._ExperimentalConfig(verbose=True)
+    with profile(activities=activities, with_stack=True, experimental_config=verbose) as prof:
         t0 = time.perf_counter()
         engine.step()
         if cuda:
@@ -222,7 +224,26 @@ def profile_prefill_step(llm, prompt_len: int, vocab: int, batch: int) -> dict:
         "top_kernels_us": {n: round(us, 1) for n, us in device_us.most_common(16)},
         "host_op_us": sum(host_us.values()),
         "top_host_ops_us": {n: round(us, 1) for n, us in host_us.most_common(16)},
+        "waits": host_waits(prof),
     }
+
+
+# Host ops that wait for the GPU (or may): each one drains the queue of launched work, so
+# the GPU idles while the host issues what comes after it.
+WAIT_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::nonzero",
+            "aten::_local_scalar_dense", "cudaMemcpyAsync", "aten::copy_", "aten::index")  # fmt: skip
+
+
+def host_waits(prof, top: int = 10) -> list[dict]:
+    """The costliest WAIT_OPS by host self time, each with the project's frames of the
+    Python stack that issued it (innermost first): where a step waits for the GPU."""
+    rows = []
+    for e in prof.key_averages(group_by_stack_n=12):
+        if e.key in WAIT_OPS and e.self_cpu_time_total > 0:
+            ours = [f for f in e.stack if any(d in f for d in ("engine/", "kernels/", "batchgen/"))]
+            rows.append({"op": e.key, "self_us": round(e.self_cpu_time_total, 1),
+                         "calls": e.count, "stack": ours[:6]})  # fmt: skip
+    return sorted(rows, key=lambda r: -r["self_us"])[:top]
 
 
 def profile_decode_step(

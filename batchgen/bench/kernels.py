@@ -57,6 +57,8 @@ MOE_CASES = [
     MoeCase("moonlight-shared-bf16", 2048, 2816, 1, 1, "bf16", (1, 8, 32, 64)),
     MoeCase("moonlight-shared-fp8", 2048, 2816, 1, 1, "fp8", (1, 8, 32, 64)),
 ]
+# Token counts above which --tune takes the prefill-shaped candidates.
+PREFILL_TOKENS = 256
 LINEAR_SHAPES = [(18432, 7168), (7168, 18432), (32768, 4096), (4096, 32768)]  # (N, K)
 LINEAR_TOKENS = (1, 8, 64, 512)
 # The engine's FP8 linears on Moonlight (hidden 2048): q_proj and kv_a (3648 = the two
@@ -180,9 +182,10 @@ def bench_moe(
         nbytes = distinct * per_expert + t * case.d * 2 * 2  # + x read, out written
         cfg = default_config(t * case.top_k, case.e, case.fmt)
         if tune and t <= tune_max_tokens:
-            if case.fmt == "mxfp4":
-                cands = (_mxfp4_candidates(cfg, t, int8) if t <= 256
-                         else _prefill_candidates(cfg))  # fmt: skip
+            if t > PREFILL_TOKENS:
+                cands = _prefill_candidates(cfg)
+            elif case.fmt == "mxfp4":
+                cands = _mxfp4_candidates(cfg, t, int8)
             else:
                 cands = _moe_candidates(cfg, case.fmt)
 
@@ -191,6 +194,8 @@ def bench_moe(
 
             cfg = _tune(make, cands)
             cfg = _tune(make, [cfg] + _down_candidates(cfg))  # then the down's own tile
+            if t > PREFILL_TOKENS:  # then the launch order's groups (_tile_ids)
+                cfg = _tune(make, [cfg] + [dict(cfg, GROUP_M=g) for g in (2, 4, 8, 16)])
             tuned[shape_key(t, case.top_k, case.e, case.d, case.i, case.fmt)] = cfg
         calls = _moe_calls(fused_moe, x, weights, routings, fmt=case.fmt, config=cfg)
         ms = time_graphed(calls)
@@ -330,7 +335,16 @@ def _tune_linear(time_cfg, base: dict, m: int, n: int, k: int, native: bool) -> 
         splits = [sp for sp in (1, 2, 4, 6, 8, 16) if sp <= k_steps]
         cands += tiles + [dict(best_tile, SPLIT_K=sp, BIT_DECODE=bit)
                           for sp, bit in itertools.product(splits, (False, True))]  # fmt: skip
-    return min(cands, key=ms)
+    best = min(cands, key=ms)
+    by_kernel: dict[str, tuple[float, dict]] = {}
+    for cfg in cands:
+        kind = cfg.get("KERNEL", "dot") + (" swap" if cfg.get("SWAP_AB") else "")
+        by_kernel[kind] = min(
+            by_kernel.get(kind, (math.inf, cfg)), (ms(cfg), cfg), key=lambda p: p[0]
+        )
+    for kind, (t, cfg) in sorted(by_kernel.items(), key=lambda p: p[1][0]):
+        print(f"  M={m} {n}x{k}{' native' if native else ''} best {kind}: {t * 1e3:.1f} us {cfg}")
+    return best
 
 
 def _gemv_base(m: int, n: int, k: int) -> dict:
@@ -410,17 +424,19 @@ def _mxfp4_candidates(base: dict, tokens: int, int8: bool) -> list[dict]:
 
 
 def _prefill_candidates(base: dict) -> list[dict]:
-    """Prefill-sized MXFP4 launches (hundreds of tokens per expert): every token tile
-    decodes the expert's weights again, so taller token tiles decode them fewer times; the
-    A @ W^T tile stages its decoded weights through shared memory once per tile."""
+    """Prefill-sized launches (hundreds of tokens per expert): every token tile reads (and
+    for FP8/MXFP4 decodes) the expert's weights again, so taller token tiles do it fewer
+    times; the A @ W^T tile stages decoded weights through shared memory once per tile.
+    Each tile comes in the plain launch order and in groups of 8 token tiles (_tile_ids)."""
     a_wt = dict(base, SWAP_AB=False)
     out = [base]
     out += [dict(a_wt, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
             for bm, bn, w, st in ((64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
                                   (128, 128, 8, 4), (128, 256, 8, 3))]  # fmt: skip
-    out += [dict(base, BLOCK_M=bm, BLOCK_N=bn, num_warps=w)
-            for bm, bn, w in ((128, 64, 4), (128, 64, 8), (128, 128, 8), (64, 128, 8))]  # fmt: skip
-    return out
+    if base.get("SWAP_AB"):
+        out += [dict(base, BLOCK_M=bm, BLOCK_N=bn, num_warps=w)
+                for bm, bn, w in ((128, 64, 4), (128, 64, 8), (128, 128, 8), (64, 128, 8))]  # fmt: skip
+    return out + [dict(c, GROUP_M=8) for c in out]
 
 
 def _linear_candidates(m: int, base: dict) -> list[dict]:
