@@ -87,7 +87,7 @@ for f in pathlib.Path(sys.argv[1]).glob("decode-*.json"):
                       "host op us", p.get("host_op_us"))
                 print("   kernels", {n[:40]: v for n, v in list(p.get("top_kernels_us", {}).items())[:8]})
                 print("   host", {n[:40]: v for n, v in list(p.get("top_host_ops_us", {}).items())[:8]})
-                for wait in p.get("waits", [])[:6]:
+                for wait in p.get("waits", [])[:8]:
                     print("   wait", wait["op"], wait["self_us"], "us", wait["calls"], "calls:",
                           " <- ".join(f.split("/")[-1] for f in wait["stack"][:4]))
             elif k.startswith("profile"):
