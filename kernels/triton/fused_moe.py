@@ -128,13 +128,16 @@ def default_config(num_pairs: int, num_experts: int, fmt: str) -> dict:
     else:
         block_m, block_n, warps, stages = 64, 128, 8, 3
     block_k = {"bf16": 64, "fp8": 128, "mxfp4": 128}[fmt]
+    # Prefill sizes: token tiles in launch-order groups (_tile_ids), as every tuned H200
+    # winner at 4K and 16K tokens has them (GROUP_M 4-8).
+    group = {"GROUP_M": 8} if per_expert > 64 else {}
     if fmt == "mxfp4":
         # Weights on wgmma's register side (SWAP_AB): the tuned winner at every Moonlight
         # decode size on the H200, 1 to 256 tokens. 64 weight rows per tile (one warpgroup).
         return dict(BLOCK_M=block_m, BLOCK_N=64, BLOCK_K=128, SWAP_AB=True,
-                    num_warps=4, num_stages=3)  # fmt: skip
+                    num_warps=4, num_stages=3, **group)  # fmt: skip
     return dict(BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-                num_warps=warps, num_stages=stages)  # fmt: skip
+                num_warps=warps, num_stages=stages, **group)  # fmt: skip
 
 
 def shape_key(num_tokens: int, top_k: int, num_experts: int, d: int, i: int, fmt: str) -> str:
@@ -387,6 +390,9 @@ def _check_config(cfg: dict, fmt: str) -> None:
         "MXFP4_DOT_SCALED is an A @ W^T tile option; it does not combine with SWAP_AB"
     )
     assert cfg.get("GU_SPLIT_K", 1) == 1 or cfg.get("SWAP_AB"), "GU_SPLIT_K needs SWAP_AB"
+    assert isinstance(cfg.get("GROUP_M", 1), int) and cfg.get("GROUP_M", 1) >= 1, (
+        f"GROUP_M must be a positive int, got {cfg.get('GROUP_M')!r}"
+    )
 
 
 def _gate_up_tiles(i: int, cfg: dict) -> int:

@@ -406,6 +406,16 @@ def test_fused_moe_grouped_launch_order(fmt, swap):
     assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
 
 
+@pytest.mark.parametrize("fmt", ["bf16", "mxfp4"])
+def test_fused_moe_default_config_groups_prefill_tiles(fmt):
+    # more than 64 pairs per expert: the heuristic's prefill tile, in launch-order groups
+    assert fused_moe_module.default_config(6 * 4096, 64, fmt)["GROUP_M"] == 8
+    assert "GROUP_M" not in fused_moe_module.default_config(6 * 8, 64, fmt)
+    args, kw = make_moe(140, d=64, i=64, e=2, a=1, fmt=fmt, seed=29)
+    out = fused_moe(*args, **kw)  # no table entry at these shapes: the heuristic
+    assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
+
+
 @pytest.mark.parametrize("fmt", ["bf16", "fp8", "mxfp4"])
 def test_fused_moe_down_launch_takes_its_own_tile(fmt):
     # a config's DOWN entry: the down launch's own N tile, K step, orientation and K split
