@@ -130,11 +130,13 @@ def attend_absorbed_batched(
     max_context: int | None = None,
 ) -> torch.Tensor:
     """B sequences with up to Q queries each (decode: Q = 1; speculative verify: K + 1),
-    padded and batched. q_nope [B, Q, H, N], q_rope [B, Q, H, P], q_pos [B, Q] absolute
-    positions (padding rows: any valid position, their output is discarded),
-    block_tables [B, blocks], context_lens [B] -> out [B, Q, H, V] float32. max_context,
+    padded and batched. q_nope [B, Q, H, N], q_rope [B, Q, H, P] (any float dtype; the
+    math is float32), q_pos [B, Q] absolute positions (padding rows: any valid position,
+    their output is discarded), block_tables [B, blocks], context_lens [B] -> out
+    [B, Q, H, V] float32. max_context,
     the longest of context_lens when the caller knows it on the host, saves a device sync."""
     N, R = dims.qk_nope_head_dim, dims.kv_lora_rank
+    q_nope, q_rope = q_nope.float(), q_rope.float()
     lmax = int(context_lens.max()) if max_context is None else max_context
     entries = _context_entries(cache, block_tables, lmax)  # [B, L, R+P]
     latent, k_rope = entries[..., :R], entries[..., R:]
@@ -261,8 +263,8 @@ class MultiLatentAttention(nn.Module):
         latent = self.kv_a_layernorm(kv[:, :R].contiguous())
         q_rope, k_rope = self.rotary(positions, q_rope, kv[:, None, R:])
         write_latent_cache(self.kv_cache, ctx, latent, k_rope[:, 0])
-        out = self._attend(q_nope.float(), q_rope.float(), positions, ctx)  # [T, H, V]
-        return self.o_proj(out.to(x.dtype).reshape(T, H * d.v_head_dim))
+        out = self._attend(q_nope, q_rope, positions, ctx)  # [T, H, V] in x's dtype
+        return self.o_proj(out.reshape(T, H * d.v_head_dim))
 
     def _attend(self, q_nope, q_rope, positions, ctx: AttentionContext) -> torch.Tensor:
         """Sequences that take the absorbed form run batched (padded to the longest query
@@ -270,6 +272,8 @@ class MultiLatentAttention(nn.Module):
         context length (expanded_groups)."""
         d = self.dims
         w = self.kv_b_weight().float()
+        # In the model's dtype: the forms compute in float32 (or expanded_dtype) and their
+        # rows are rounded once, as they are copied in; q is cast only where a form needs it.
         out = q_nope.new_empty(q_nope.shape[0], d.num_heads, d.v_head_dim)
         q_lens, c_lens = ctx.query_lens_host, ctx.context_lens_host
         starts = [0, *itertools.accumulate(q_lens)]  # the host's copy of cu_query_lens
@@ -306,7 +310,7 @@ class MultiLatentAttention(nn.Module):
             )
             o = attend(q_nope[rows_d], q_rope[rows_d], pos, self.kv_cache, tables, lens_d, w, d,
                        self.scale, max_context=max(c_lens[b] for b in seqs), **options)  # fmt: skip
-            out.index_copy_(0, dest, o.flatten(0, 1).index_select(0, picked_d))
+            out.index_copy_(0, dest, o.flatten(0, 1).index_select(0, picked_d).to(out.dtype))
 
         absorbed = [b for b in range(ctx.num_seqs) if not expanded(b)]
         if absorbed:
