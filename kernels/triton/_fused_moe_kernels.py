@@ -309,7 +309,7 @@ def _tile_ids(GROUP_M: tl.constexpr):
     fastest: one N column of every token tile, then the next column. At prefill sizes one
     column's tiles gather more activation rows than the L2 holds (16K tokens: ~400 MB), so
     each column read them from HBM again (gate+up: 22 columns). GROUP_M > 1 renumbers the
-    launch order into groups of GROUP_M consecutive token tiles (one or two experts) that
+    launch order into groups of GROUP_M consecutive token tiles (one to a few experts) that
     run all their columns before the next group: the group's activations and weights stay
     in the L2 while every column reads them."""
     pid_m = tl.program_id(0)
