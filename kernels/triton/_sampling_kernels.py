@@ -7,27 +7,51 @@ import triton.language as tl
 
 
 @triton.jit
-def _gumbel(seed, step, rnd, offs):
-    """Gumbel(0, 1) noise for vocabulary slots `offs`, a pure function of
-    (seed, step, round, slot): the same numbers on every run and batch layout."""
-    key = seed * 1000003 + step * 64 + rnd
-    u = tl.rand(key, offs)
-    return -tl.log(-tl.log(u))
+def _log2(x, ASM: tl.constexpr):
+    """log2 by the hardware's approximation (lg2.approx: ~2^-22 relative error, plenty for
+    noise) instead of the ~20-instruction accurate one; tl.log2 under the interpreter."""
+    if ASM:
+        out = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
+                                        is_pure=True, pack=1)  # fmt: skip
+    else:
+        out = tl.log2(x)
+    return out
 
 
 @triton.jit
-def gumbel_noise_kernel(seed_ptr, step_ptr, out_ptr, V, stride_o, BLOCK_V: tl.constexpr):
+def _gumbel(seed, step, rnd, v0, BLOCK_V: tl.constexpr, ASM: tl.constexpr):
+    """Gumbel(0, 1) noise for vocabulary slots v0 .. v0 + BLOCK_V - 1 (v0 a multiple of 4,
+    BLOCK_V >= 4), a pure function of (seed, step, round, slot): the same numbers on every
+    run and batch layout. One Philox evaluation (10 rounds, ~80 instructions) makes four
+    numbers: slots 4q .. 4q + 3 take the four of counter q (tl.rand used one of the four
+    per slot, and its Philox was most of a sampling pass's instructions)."""
+    key = seed * 1000003 + step * 64 + rnd
+    u0, u1, u2, u3 = tl.rand4x(key, v0 // 4 + tl.arange(0, BLOCK_V // 4))
+    lane = tl.arange(0, 4)[None, :]
+    u = tl.where(lane < 2, tl.where(lane == 0, u0[:, None], u1[:, None]),
+                 tl.where(lane == 2, u2[:, None], u3[:, None]))  # fmt: skip
+    ln2 = 0.6931471805599453
+    g = -ln2 * _log2(-ln2 * _log2(u, ASM), ASM)  # -log(-log(u))
+    return tl.reshape(g, [BLOCK_V])
+
+
+@triton.jit
+def gumbel_noise_kernel(
+    seed_ptr, step_ptr, out_ptr, V, stride_o, BLOCK_V: tl.constexpr, ASM: tl.constexpr
+):
     """Round-0 noise of `sample_kernel`, for tests and the reference."""
     row = tl.program_id(0).to(tl.int64)
     seed = tl.load(seed_ptr + row)
     step = tl.load(step_ptr + row)
     for v0 in range(0, V, BLOCK_V):
         offs = v0 + tl.arange(0, BLOCK_V)
-        tl.store(out_ptr + row * stride_o + offs, _gumbel(seed, step, 0, offs), mask=offs < V)
+        tl.store(
+            out_ptr + row * stride_o + offs, _gumbel(seed, step, 0, v0, BLOCK_V, ASM), mask=offs < V
+        )
 
 
 @triton.jit
-def _first_pass(base, lo, hi, inv_t, draw, seed, step, BLOCK_V: tl.constexpr):
+def _first_pass(base, lo, hi, inv_t, draw, seed, step, BLOCK_V: tl.constexpr, ASM: tl.constexpr):
     """Over z = logits[lo:hi] * inv_t: (max, sum of exp(z - max), first index of the max,
     and when `draw` the first round's Gumbel race: its best key and winner among finite z).
     A span of -inf only gives (-inf, 0, lo, -inf, lo): no NaN from exp(-inf - -inf). The
@@ -48,7 +72,9 @@ def _first_pass(base, lo, hi, inv_t, draw, seed, step, BLOCK_V: tl.constexpr):
         z_sum = z_sum * tl.exp(m - shift) + tl.sum(tl.exp(z - shift), axis=0)
         m = m_new
         if draw:
-            key = tl.where(z > float("-inf"), z + _gumbel(seed, step, 0, offs), float("-inf"))
+            key = tl.where(
+                z > float("-inf"), z + _gumbel(seed, step, 0, v0, BLOCK_V, ASM), float("-inf")
+            )
             key_max = tl.max(key, axis=0)
             winner = tl.where(key_max > race, tl.argmax(key, axis=0) + v0, winner)
             race = tl.maximum(race, key_max)
@@ -78,6 +104,7 @@ def sample_kernel(
     BLOCK_V: tl.constexpr,
     SPLITS: tl.constexpr,  # grid axis 1: programs sharing the first pass of a row
     BLOCK_S: tl.constexpr,  # next power of two >= SPLITS
+    ASM: tl.constexpr,  # the noise's PTX log (off under the interpreter)
 ):
     """Rejection sampling from the filtered distribution without sorting.
 
@@ -115,12 +142,14 @@ def sample_kernel(
     # Pass 1: max and normaliser of z, the argmax (greedy answer and the fallback), and
     # without min-p the first round's draw.
     if SPLITS == 1:
-        m, z_sum, best, race, winner = _first_pass(base, 0, V, inv_t, draw0, seed, step, BLOCK_V)
+        m, z_sum, best, race, winner = _first_pass(
+            base, 0, V, inv_t, draw0, seed, step, BLOCK_V, ASM
+        )
     else:
         split = tl.program_id(1)
         lo = split * SPAN
         m_s, z_s, best_s, race_s, winner_s = _first_pass(
-            base, lo, tl.minimum(lo + SPAN, V), inv_t, draw0, seed, step, BLOCK_V
+            base, lo, tl.minimum(lo + SPAN, V), inv_t, draw0, seed, step, BLOCK_V, ASM
         )
         part_f = part_f_ptr + row * 3 * BLOCK_S
         part_i = part_i_ptr + row * 2 * BLOCK_S
@@ -171,7 +200,7 @@ def sample_kernel(
         for v0 in range(0, V, BLOCK_V):
             offs = v0 + tl.arange(0, BLOCK_V)
             z = tl.load(base + offs, mask=offs < V, other=float("-inf")).to(tl.float32) * inv_t - m
-            key = tl.where(z > pivot, z + _gumbel(seed, step, 0, offs), float("-inf"))
+            key = tl.where(z > pivot, z + _gumbel(seed, step, 0, v0, BLOCK_V, ASM), float("-inf"))
             key_max = tl.max(key, axis=0)
             winner = tl.where(key_max > race, tl.argmax(key, axis=0) + v0, winner)
             race = tl.maximum(race, key_max)
@@ -191,7 +220,7 @@ def sample_kernel(
             more = z > z_w
             above += tl.sum(more.to(tl.int32), axis=0)
             mass += tl.sum(tl.where(more, tl.exp(z), 0.0), axis=0)
-            key = tl.where(more, z + _gumbel(seed, step, rnd + 1, offs), float("-inf"))
+            key = tl.where(more, z + _gumbel(seed, step, rnd + 1, v0, BLOCK_V, ASM), float("-inf"))
             key_max = tl.max(key, axis=0)
             next_winner = tl.where(key_max > next_race, tl.argmax(key, axis=0) + v0, next_winner)
             next_race = tl.maximum(next_race, key_max)

@@ -16,7 +16,7 @@ import torch
 import triton
 
 from kernels.triton._arrival_counters import arrival_counters
-from kernels.triton._common import check_device, next_pow2
+from kernels.triton._common import check_device, interpreting, next_pow2
 from kernels.triton._sampling_kernels import gumbel_noise_kernel, sample_kernel
 
 MAX_ROUNDS = 32
@@ -53,7 +53,7 @@ def sample(
     out = torch.empty(b, dtype=torch.int64, device=logits.device)
     if not b:
         return out
-    block = min(block_v, 1 << (v - 1).bit_length())
+    block = max(4, min(block_v, 1 << (v - 1).bit_length()))  # the noise comes in fours
     blocks = triton.cdiv(v, block)
     # enough programs to fill the GPU at batch 1; whole blocks per split, none empty
     per_split = triton.cdiv(blocks, max(1, min(blocks, triton.cdiv(FIRST_PASS_PROGRAMS, b))))
@@ -68,7 +68,8 @@ def sample(
     sample_kernel[(b, splits)](
         logits, temperature, top_k, top_p, min_p, seed, step, out, part_f, part_i, counters,
         v, logits.stride(0), per_split * block,
-        MAX_ROUNDS=MAX_ROUNDS, BLOCK_V=block, SPLITS=splits, BLOCK_S=block_s, num_warps=8,
+        MAX_ROUNDS=MAX_ROUNDS, BLOCK_V=block, SPLITS=splits, BLOCK_S=block_s,
+        ASM=not interpreting(), num_warps=8,
     )  # fmt: skip
     return out
 
@@ -78,6 +79,8 @@ def gumbel_noise(seed: torch.Tensor, step: torch.Tensor, vocab: int) -> torch.Te
     check_device(seed, step)
     out = torch.empty((seed.shape[0], vocab), dtype=torch.float32, device=seed.device)
     if seed.shape[0]:
-        block = min(4096, 1 << (vocab - 1).bit_length())
-        gumbel_noise_kernel[(seed.shape[0],)](seed, step, out, vocab, out.stride(0), BLOCK_V=block)
+        block = max(4, min(4096, 1 << (vocab - 1).bit_length()))
+        gumbel_noise_kernel[(seed.shape[0],)](
+            seed, step, out, vocab, out.stride(0), BLOCK_V=block, ASM=not interpreting()
+        )
     return out
