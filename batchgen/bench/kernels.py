@@ -509,11 +509,12 @@ def run(
     linear_native: bool = False,
     native_only: bool = False,
     int8: bool = False,
+    linear_shapes: tuple[tuple[int, int], ...] = tuple(LINEAR_SHAPES),
 ) -> dict:
     """Run every case (or those whose name contains `only`; MoE token counts `tokens` instead
     of each case's own; no FP8 linear rows with linear=False, only native FP8 ones with
-    native_only; the MXFP4 int8 kernels among the tuner's candidates with int8); returns
-    the JSON payload.
+    native_only; the MXFP4 int8 kernels among the tuner's candidates with int8; the large
+    FP8 linears at `linear_shapes`); returns the JSON payload.
     Tuned configs are merged into the committed tables before they are written."""
     if not torch.cuda.is_available():
         raise click.ClickException("bench kernels needs a CUDA GPU")
@@ -527,7 +528,7 @@ def run(
         r, t = bench_moe(case, copy_bps, device, tune, tokens, tune_max_tokens, int8)
         rows += r
         tables["fused_moe"].update(t)
-    for n, k in LINEAR_SHAPES if linear else ():
+    for n, k in linear_shapes if linear else ():
         if not _selected(only, f"linear {n}x{k}"):
             continue
         natives = (True,) if native_only else (False, True)
@@ -579,6 +580,9 @@ def run(
               help="Let --tune weigh the MXFP4 int8 kernels (int8 activations, up to 8 tokens).")  # fmt: skip
 @click.option("--linear-paths", is_flag=True,
               help="Only time the FP8 linear's GEMV, dot and native paths at decode sizes.")  # fmt: skip
+@click.option("--linear-shapes", default="",
+              help="Large FP8 linear shapes NxK, comma-separated (default: the DeepSeek-V3 "
+                   "ones), e.g. 36864x7168 to see how a launch's fixed cost scales.")  # fmt: skip
 def command(
     tune: bool,
     tuned_dir: Path | None,
@@ -592,6 +596,7 @@ def command(
     native_only: bool,
     int8: bool,
     linear_paths: bool,
+    linear_shapes: str,
 ) -> None:
     """Fused MoE and FP8 linear: GB/s and % of copy bandwidth, vs plain torch."""
     if linear_paths:
@@ -604,10 +609,18 @@ def command(
         return
     counts = tuple(int(v) for v in tokens.split(",") if v.strip())
     linear_counts = tuple(int(v) for v in linear_tokens.split(",") if v.strip())
+    try:
+        shapes = tuple(tuple(int(d) for d in v.lower().split("x")) for v in linear_shapes.split(",")
+                       if v.strip())  # fmt: skip
+    except ValueError as err:
+        raise click.BadParameter(f"{linear_shapes!r}: expected NxK,... ({err})") from err
+    if any(len(shape) != 2 for shape in shapes):
+        raise click.BadParameter(f"{linear_shapes!r}: expected NxK,...")
     payload = run(tune=tune, tuned_dir=tuned_dir, only=only, tokens=counts,
                   linear=not no_linear, tune_max_tokens=tune_max_tokens,
                   linear_tokens=linear_counts or ENGINE_LINEAR_TOKENS,
-                  linear_native=linear_native, native_only=native_only, int8=int8)  # fmt: skip
+                  linear_native=linear_native, native_only=native_only, int8=int8,
+                  linear_shapes=shapes or tuple(LINEAR_SHAPES))  # fmt: skip
     path = write_result(name, payload)
     click.echo(f"wrote {path}")
 
