@@ -46,17 +46,19 @@ def _signature(fn, pointers: dict, constexprs: dict) -> dict:
     return sig
 
 
-def _divisible(name: str, kind: str) -> bool:
-    """Arguments Triton's launcher specializes as multiples of 16 at the engine's shapes:
-    pointers, and strides and K (without it the compiler cannot prove 16-byte rows and
-    does not pipeline 1-byte loads into shared memory at all)."""
-    return kind.startswith("*") or name.startswith("stride") or name == "K"
+def _divisible(name: str, kind: str, divisible: frozenset) -> bool:
+    """Arguments Triton's launcher specializes as multiples of 16: pointers, and the integer
+    arguments a call names as such at the engine's shapes (without them the compiler cannot
+    prove 16-byte rows and pipelines no 1-byte or 2-byte load into shared memory)."""
+    return kind.startswith("*") or name in divisible
 
 
-def compile_report(label: str, fn, pointers: dict, constexprs: dict, warps: int, stages: int):
+def compile_report(label: str, fn, pointers: dict, constexprs: dict, warps: int, stages: int,
+                   divisible: frozenset = frozenset()):  # fmt: skip
     sig = _signature(fn, pointers, constexprs)
     names = list(sig)
-    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names if _divisible(n, sig[n])}
+    attrs = {(names.index(n),): [["tt.divisibility", 16]] for n in names
+             if _divisible(n, sig[n], divisible)}  # fmt: skip
     src = ASTSource(fn=fn, signature=sig, constexprs=constexprs, attrs=attrs)
     compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
                               options=dict(num_warps=warps, num_stages=stages))  # fmt: skip
@@ -74,6 +76,14 @@ def compile_report(label: str, fn, pointers: dict, constexprs: dict, warps: int,
           f"async copies {compiled.asm['ttgir'].count('async_copy_global_to_local')}")  # fmt: skip
 
 
+# The MLA decode's strides that are multiples of 16 at Moonlight's shapes (16 heads, 512
+# latent + 64 rope, 16-slot pages): all but the block table's (its width follows the
+# longest context) and the LSE partials' (the split count).
+MLA_DIVISIBLE = frozenset({"stride_qcb", "stride_qch", "stride_qrb", "stride_qrh", "stride_cblk",
+                           "stride_cslot", "stride_outb", "stride_outh", "stride_ob", "stride_oh",
+                           "stride_os"})  # fmt: skip
+
+
 def main() -> None:
     print(f"triton {triton.__version__}, sm_90")
     # MLA decode at batch 1 (4 and 16 splits) and batch 256 (one split)
@@ -87,7 +97,7 @@ def main() -> None:
                     PREFETCH=prefetch)  # fmt: skip
         compile_report(f"mla_decode splits={splits} warps={warps} tile={block_t} "
                        f"prefetch={prefetch}", _mla_decode_kernels.mla_decode_kernel, mla_ptrs,
-                       meta, warps, 2)  # fmt: skip
+                       meta, warps, 2, MLA_DIVISIBLE)  # fmt: skip
     # the MLA decode prologue with the W_UK absorption (Moonlight: 16 heads, nope 128)
     rope_ptrs = dict(q_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", cos_ptr="*fp32",
                      sin_ptr="*fp32", norm_w_ptr="*bf16", cache_ptr="*bf16", slot_ptr="*i64",

@@ -195,7 +195,7 @@ def bench_moe(
             cfg = _tune(make, cands)
             cfg = _tune(make, [cfg] + _down_candidates(cfg))  # then the down's own tile
             if t > PREFILL_TOKENS:  # then the launch order's groups (_tile_ids)
-                cfg = _tune(make, [cfg] + [dict(cfg, GROUP_M=g) for g in (2, 4, 8, 16)])
+                cfg = _tune(make, [cfg] + [dict(cfg, GROUP_M=g) for g in (1, 2, 4, 8, 16)])
             tuned[shape_key(t, case.top_k, case.e, case.d, case.i, case.fmt)] = cfg
         calls = _moe_calls(fused_moe, x, weights, routings, fmt=case.fmt, config=cfg)
         ms = time_graphed(calls)
@@ -436,7 +436,8 @@ def _prefill_candidates(base: dict) -> list[dict]:
     if base.get("SWAP_AB"):
         out += [dict(base, BLOCK_M=bm, BLOCK_N=bn, num_warps=w)
                 for bm, bn, w in ((128, 64, 4), (128, 64, 8), (128, 128, 8), (64, 128, 8))]  # fmt: skip
-    return out + [dict(c, GROUP_M=8) for c in out]
+    # GROUP_M set either way: the heuristic's base may carry its own
+    return [dict(c, GROUP_M=g) for g in (1, 8) for c in out]
 
 
 def _linear_candidates(m: int, base: dict) -> list[dict]:

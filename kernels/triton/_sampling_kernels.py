@@ -8,8 +8,9 @@ import triton.language as tl
 
 @triton.jit
 def _log2(x, ASM: tl.constexpr):
-    """log2 by the hardware's approximation (lg2.approx: ~2^-22 relative error, plenty for
-    noise) instead of the ~20-instruction accurate one; tl.log2 under the interpreter."""
+    """log2 by the hardware's approximation (lg2.approx: ~2^-22 absolute error) instead of
+    the ~20-instruction accurate one; tl.log2 under the interpreter. Only for arguments
+    whose log2 is not tiny: near x = 1 an absolute error that size is all of the result."""
     if ASM:
         out = tl.inline_asm_elementwise("lg2.approx.f32 $0, $1;", "=f,f", [x], dtype=tl.float32,
                                         is_pure=True, pack=1)  # fmt: skip
@@ -30,9 +31,9 @@ def _gumbel(seed, step, rnd, v0, BLOCK_V: tl.constexpr, ASM: tl.constexpr):
     lane = tl.arange(0, 4)[None, :]
     u = tl.where(lane < 2, tl.where(lane == 0, u0[:, None], u1[:, None]),
                  tl.where(lane == 2, u2[:, None], u3[:, None]))  # fmt: skip
-    ln2 = 0.6931471805599453
-    g = -ln2 * _log2(-ln2 * _log2(u, ASM), ASM)  # -log(-log(u))
-    return tl.reshape(g, [BLOCK_V])
+    # -log(-log(u)): the inner log accurate (u close to 1 makes it tiny, where the fast
+    # one's absolute error could turn it to 0 and the noise to +inf), the outer one fast
+    return tl.reshape(-0.6931471805599453 * _log2(-tl.log(u), ASM), [BLOCK_V])
 
 
 @triton.jit

@@ -128,8 +128,8 @@ def default_config(num_pairs: int, num_experts: int, fmt: str) -> dict:
     else:
         block_m, block_n, warps, stages = 64, 128, 8, 3
     block_k = {"bf16": 64, "fp8": 128, "mxfp4": 128}[fmt]
-    # Prefill sizes: token tiles in launch-order groups (_tile_ids), as every tuned H200
-    # winner at 4K and 16K tokens has them (GROUP_M 4-8).
+    # Prefill sizes: token tiles in launch-order groups (_tile_ids), as the tuned H200
+    # winners at 4K and 16K tokens have them (GROUP_M 4-8; not measured below 4K).
     group = {"GROUP_M": 8} if per_expert > 64 else {}
     if fmt == "mxfp4":
         # Weights on wgmma's register side (SWAP_AB): the tuned winner at every Moonlight
