@@ -83,8 +83,10 @@ for f in pathlib.Path(sys.argv[1]).glob("decode-*.json"):
     for w, i in info.items():
         for k, p in i.items():
             if k.startswith("profile_prefill"):
-                print(w, k, "wall ms", p.get("wall_ms"), "kernel us", p.get("kernel_us"),
-                      "host op us", p.get("host_op_us"))
+                print(w, k, "wall ms", p.get("wall_ms"), "plain", p.get("plain_wall_ms"),
+                      "kernel us", p.get("kernel_us"), "host op us", p.get("host_op_us"))
+                for row in p.get("python_top", [])[:14]:
+                    print("   py", row)
                 print("   kernels", {n[:40]: v for n, v in list(p.get("top_kernels_us", {}).items())[:8]})
                 print("   host", {n[:40]: v for n, v in list(p.get("top_host_ops_us", {}).items())[:8]})
                 for wait in p.get("waits", [])[:8]:

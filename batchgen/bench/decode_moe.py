@@ -189,9 +189,11 @@ def profile_prefill_step(llm, prompt_len: int, vocab: int, batch: int) -> dict:
 
     engine = llm.engine
     params = SamplingParams(temperature=0.0, max_tokens=2, ignore_eos=True)
+    plain_ms = _prefill_wall_ms(engine, prompt_len, vocab, batch, params)
+    python_top = _prefill_python_profile(engine, prompt_len, vocab, batch, params)
+    cuda = torch.cuda.is_available()
     for i, prompt in enumerate(random_prompts(batch, prompt_len, vocab, seed=11)):
         engine.add_request(f"prefill-{i}", prompt, params)
-    cuda = torch.cuda.is_available()
     activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])
     if cuda:
         torch.cuda.synchronize()
@@ -218,6 +220,7 @@ def profile_prefill_step(llm, prompt_len: int, vocab: int, batch: int) -> dict:
     return {
         "prompts": batch,
         "prefilled_prompts": prefilled,
+        "plain_wall_ms": plain_ms,
         "wall_ms": 1e3 * wall,
         "kernel_us": sum(device_us.values()),
         "kernels": len(kernels),
@@ -225,7 +228,59 @@ def profile_prefill_step(llm, prompt_len: int, vocab: int, batch: int) -> dict:
         "host_op_us": sum(host_us.values()),
         "top_host_ops_us": {n: round(us, 1) for n, us in host_us.most_common(16)},
         "waits": host_waits(prof),
+        "python_top": python_top,
     }
+
+
+def _prefill_requests(engine, prompt_len: int, vocab: int, batch: int, params, tag: str) -> None:
+    for i, prompt in enumerate(random_prompts(batch, prompt_len, vocab, seed=11)):
+        engine.add_request(f"{tag}-{i}", prompt, params)
+
+
+def _finish(engine) -> None:
+    while engine.has_unfinished():
+        engine.step()
+
+
+def _sync() -> None:
+    if torch.cuda.is_available():
+        torch.cuda.synchronize()
+
+
+def _prefill_wall_ms(engine, prompt_len: int, vocab: int, batch: int, params) -> float:
+    """Wall time of one prefill step with no profiler attached (synchronized both ends)."""
+    _prefill_requests(engine, prompt_len, vocab, batch, params, "plain")
+    _sync()
+    t0 = time.perf_counter()
+    engine.step()
+    _sync()
+    wall = time.perf_counter() - t0
+    _finish(engine)
+    return 1e3 * wall
+
+
+def _prefill_python_profile(engine, prompt_len, vocab, batch, params, top: int = 25) -> list:
+    """The prefill step's Python functions by self time under cProfile (which slows
+    Python-heavy code ~1.5-2x, so read shares, not absolute times): what the host does
+    while the GPU waits for it."""
+    import cProfile
+    import pstats
+
+    _prefill_requests(engine, prompt_len, vocab, batch, params, "cprofile")
+    _sync()
+    prof = cProfile.Profile()
+    prof.enable()
+    engine.step()
+    _sync()
+    prof.disable()
+    _finish(engine)
+    stats = pstats.Stats(prof).stats  # (file, line, name) -> (cc, nc, tottime, cumtime, callers)
+    rows = sorted(stats.items(), key=lambda kv: -kv[1][2])[:top]
+    return [
+        {"fn": f"{file.split('/')[-1]}:{line}:{name}", "calls": nc,
+         "self_ms": round(1e3 * tt, 2), "cum_ms": round(1e3 * ct, 2)}
+        for (file, line, name), (_cc, nc, tt, ct, _callers) in rows
+    ]  # fmt: skip
 
 
 # Host ops that wait for the GPU (or may): each one drains the queue of launched work, so
@@ -244,6 +299,24 @@ def host_waits(prof, top: int = 10) -> list[dict]:
             rows.append({"op": e.key, "self_us": round(e.self_cpu_time_total, 1),
                          "calls": e.count, "stack": ours[:6]})  # fmt: skip
     return sorted(rows, key=lambda r: -r["self_us"])[:top]
+
+
+def kernel_timeline(kernels, steps: int, count: int = 30) -> list[list]:
+    """`count` consecutive kernels from the middle of the first profiled step (about two
+    decoder layers), each [name, stream, start us from the first, duration us]: which
+    kernels overlap on the two streams and where the device idles between them (a profile's
+    sums cannot say)."""
+    ordered = sorted(kernels, key=lambda e: e.time_range.start)
+    per_step = len(ordered) // max(1, steps)
+    window = ordered[per_step // 2 : per_step // 2 + count]
+    if not window:
+        return []
+    t0 = window[0].time_range.start
+    return [
+        [e.name[:32], getattr(e, "device_resource_id", None),
+         round(e.time_range.start - t0, 1), round(e.time_range.elapsed_us(), 1)]
+        for e in window
+    ]  # fmt: skip
 
 
 def profile_decode_step(
@@ -304,6 +377,7 @@ def profile_decode_step(
             "step_ms": 1e3 * statistics.median(walls),
             # host work per step: the step's wall time less its waits for the device
             "host_busy_ms": 1e3 * statistics.median(busy),
+            "timeline": kernel_timeline(kernels, steps),
         }
     runner.graphs = graphs
     if graphs is not None and "graph" in modes:
