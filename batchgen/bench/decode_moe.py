@@ -402,12 +402,11 @@ def bench_engine(
     new_tokens: int,
     copy_bps: float,
     profile_step: bool,
-    fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS,
-    shared_expert_stream: bool = True,
-    mla_expanded_float32: bool = False,
-    main_stream_first: bool = True,
+    engine_options: dict | None = None,
     sampling: dict | None = None,
 ) -> tuple[list[dict], dict]:
+    """`engine_options`: LLM keyword arguments (streams, FP8 and MLA choices) beyond the
+    bench's own sizes."""
     from engine.llm import LLM
 
     t0 = time.perf_counter()
@@ -418,10 +417,7 @@ def bench_engine(
         max_num_seqs=max(batches),
         max_num_batched_tokens=16384,
         max_model_len=prompt_len + new_tokens + 16,
-        fp8_native_min_tokens=fp8_native_min_tokens,
-        shared_expert_stream=shared_expert_stream,
-        main_stream_first=main_stream_first,
-        mla_expanded_float32=mla_expanded_float32,
+        **(engine_options or {}),
     )
     runner = llm.engine.runner
     info = {
@@ -585,10 +581,7 @@ def run(
     new_tokens: int,
     workdir: Path,
     name: str,
-    fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS,
-    shared_expert_stream: bool = True,
-    mla_expanded_float32: bool = False,
-    main_stream_first: bool = True,
+    engine_options: dict | None = None,
     sampling: dict | None = None,
 ) -> dict:
     from batchgen.bench.kernels import copy_bandwidth
@@ -604,10 +597,7 @@ def run(
         "layers": layers,
         "prompt_tokens": prompt_len,
         "new_tokens": new_tokens,
-        "fp8_native_min_tokens": fp8_native_min_tokens,
-        "shared_expert_stream": shared_expert_stream,
-        "mla_expanded_float32": mla_expanded_float32,
-        "main_stream_first": main_stream_first,
+        **(engine_options or {}),
         "sampling": sampling or {"temperature": 0.0},
         "results": [],
         "engine_info": {},
@@ -616,10 +606,7 @@ def run(
     for w in weights:
         paths[w] = make_checkpoint(workdir, preset, layers, w)
         rows, info = bench_engine(paths[w], w, batches, prompt_len, new_tokens, copy_bps,
-                                  profile_step=True, fp8_native_min_tokens=fp8_native_min_tokens,
-                                  shared_expert_stream=shared_expert_stream,
-                                  mla_expanded_float32=mla_expanded_float32,
-                                  main_stream_first=main_stream_first,
+                                  profile_step=True, engine_options=engine_options,
                                   sampling=sampling)  # fmt: skip
         payload["results"] += rows
         payload["engine_info"][w] = info
@@ -691,9 +678,12 @@ def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens
     unknown = [w for w in chosen if w not in WEIGHTS]
     if unknown:
         raise click.BadParameter(f"unknown weights {unknown}; choose from {sorted(WEIGHTS)}")
+    engine_options = dict(fp8_native_min_tokens=fp8_native_min_tokens or None,
+                          shared_expert_stream=shared_expert_stream,
+                          mla_expanded_float32=mla_expanded_float32,
+                          main_stream_first=main_stream_first)  # fmt: skip
     run(preset, layers, chosen, _ints(batches), _ints(hf_batches), prompt_len, new_tokens,
-        workdir, name, fp8_native_min_tokens or None, shared_expert_stream,
-        mla_expanded_float32, main_stream_first,
+        workdir, name, engine_options,
         {"temperature": temperature, "top_p": top_p, "seed": 0} if temperature > 0 else None)  # fmt: skip
 
 

@@ -482,8 +482,9 @@ def _shared_gate_up(
 def _shared_down(h: torch.Tensor, shared: SharedExpert, y: torch.Tensor) -> None:
     t, d = y.shape
     i = h.shape[1]
-    cfg = dense_config(t, d, i, shared.fmt, y.device)
-    _check_config(cfg, shared.fmt)
+    full = dense_config(t, d, i, shared.fmt, y.device)
+    _check_config(full, shared.fmt)
+    cfg = down_config(full)  # its DOWN tile: beside the routed kernels it wants its own
     split = cfg.get("SPLIT_K", 1)
     s2, *s2_strides = _scale_args(shared.w2, shared.w2_scale, expert_dim=False)
     moe_down_kernel[(triton.cdiv(t, cfg["BLOCK_M"]), triton.cdiv(d, cfg["BLOCK_N"]), split)](

@@ -233,15 +233,29 @@ def test_fused_moe_gate_up_split_k(fmt, gu_split):
 
 
 @pytest.mark.parametrize("fmt", ["fp8", "mxfp4"])
-def test_fused_moe_swap_ab_shared_expert(fmt, monkeypatch):
+@pytest.mark.parametrize("down", [None, dict(BLOCK_N=32, SPLIT_K=4)])
+def test_fused_moe_swap_ab_shared_expert(fmt, down, monkeypatch):
     # the shared expert's DENSE launches with a SWAP_AB, split gate+up config (what a tuned
-    # table entry may hold), against the routed-only result plus the shared reference
+    # table entry may hold), against the routed-only result plus the shared reference; a
+    # DOWN entry gives the shared down its own tile (grid: D / BLOCK_N x SPLIT_K)
     args, kw = make_moe(3, d=128, i=64, e=4, a=2, fmt=fmt, seed=5)
     shared = random_shared(128, 128, fmt, seed=6)
     cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SWAP_AB=True, GU_SPLIT_K=2, SPLIT_K=2,
                num_warps=4, num_stages=2)  # fmt: skip
-    monkeypatch.setattr(fused_moe_module, "dense_config", lambda *a, **k: dict(cfg))
+    shared_cfg = dict(cfg, DOWN=down) if down else dict(cfg)
+    monkeypatch.setattr(fused_moe_module, "dense_config", lambda *a, **k: dict(shared_cfg))
+    grids = []
+    real_down = fused_moe_module.moe_down_kernel
+
+    class _Recorded:
+        def __getitem__(self, grid):
+            grids.append(grid)
+            return real_down[grid]
+
+    monkeypatch.setattr(fused_moe_module, "moe_down_kernel", _Recorded())
     out = fused_moe(*args, **kw, shared=shared, config=cfg)
+    want = (1, 128 // 32, 4) if down else (1, 128 // 64, 2)
+    assert grids[-1] == want  # the shared down runs after the routed one on one stream
     t = args[0].shape[0]
     one = torch.ones(t, 1, device=DEVICE)
     zero_ids = torch.zeros(t, 1, dtype=torch.int32, device=DEVICE)
