@@ -225,8 +225,23 @@ class CudaGraphRunner:
         buf.sampled[:bucket].copy_(tokens)
         return tokens
 
+    def recapture(self, buckets: list[int] | None = None) -> None:
+        """Capture these buckets (default: all) again, for launch configs that changed since
+        (`batchgen bench step-tune` times table entries inside the step). The inputs are
+        left as padding rows."""
+        chosen = self.buckets if buckets is None else sorted(buckets)
+        unknown = set(chosen) - set(self.buckets)
+        if unknown:
+            raise ValueError(f"buckets {sorted(unknown)} are not captured ({self.buckets})")
+        for bucket in chosen:  # released before capturing again
+            self.graphs.pop(bucket, None)
+            self.tokens.pop(bucket, None)
+        torch.cuda.synchronize(self.runner.device)
+        self._capture(chosen)
+
     @torch.inference_mode()
-    def _capture(self) -> None:
+    def _capture(self, buckets: list[int] | None = None) -> None:
+        buckets = self.buckets if buckets is None else buckets
         start = time.perf_counter()
         self.inputs.fill([], self.buckets[-1])  # every row padding: valid, harmless inputs
         pool = None
@@ -236,7 +251,7 @@ class CudaGraphRunner:
         device = self.runner.device
         first = torch.cuda.Stream(device, priority=-1)
         equal = torch.cuda.Stream(device)
-        for bucket in reversed(self.buckets):  # largest first: later graphs reuse its pool
+        for bucket in reversed(buckets):  # largest first: later graphs reuse its pool
             self._step(bucket)  # eager once: compiles the kernels for these shapes
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
@@ -249,7 +264,7 @@ class CudaGraphRunner:
             self.graphs[bucket] = graph
         torch.cuda.synchronize(self.runner.device)
         self.capture_seconds = time.perf_counter() - start
-        log.info("captured decode graphs %s in %.1f s", self.buckets, self.capture_seconds)
+        log.info("captured decode graphs %s in %.1f s", buckets, self.capture_seconds)
 
     def can_replay(self, seqs: list[Sequence]) -> bool:
         """Whether a decode step of these sequences can replay a graph (else it runs eagerly):
