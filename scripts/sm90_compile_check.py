@@ -30,6 +30,7 @@ from kernels.triton import (  # noqa: E402
     _moe_int8_kernels,
     mla_cache,
     moe_prologue,
+    mxfp4_dequant,
 )
 
 PTXAS = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
@@ -120,6 +121,12 @@ def main() -> None:
                     ZBLOCK=4096)  # fmt: skip
         compile_report(f"moe_prologue block_m={block_m} quant={quant} tile/pair={tile_per_pair}",
                        moe_prologue.moe_prologue_kernel, pro_ptrs, meta, 4, 3)  # fmt: skip
+
+    # MXFP4 experts decoded to bf16 once (the fused MoE's "dequant" configs, prefill sizes)
+    compile_report("mxfp4_dequant", mxfp4_dequant.mxfp4_dequant_kernel,
+                   dict(codes_ptr="*u8", scales_ptr="*u8", out_ptr="*bf16"),
+                   dict(BLOCK_R=mxfp4_dequant.BLOCK_ROWS, BLOCK_B=mxfp4_dequant.BLOCK_BYTES,
+                        F32_DOT=False, ASM=True), 4, 1, frozenset({"KB"}))  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -184,6 +184,9 @@ def bench_moe(
         if tune and t <= tune_max_tokens:
             if t > PREFILL_TOKENS:
                 cands = _prefill_candidates(cfg)
+                if case.fmt == "mxfp4":  # or decode the experts to bf16 once (mxfp4_dequant)
+                    bf16 = default_config(t * case.top_k, case.e, "bf16")
+                    cands += [dict(c, KERNEL="dequant") for c in _prefill_candidates(bf16)]
             elif case.fmt == "mxfp4":
                 cands = _mxfp4_candidates(cfg, t, int8)
             else:

@@ -34,6 +34,11 @@ the activations, quantized to int8 per 32 (x by one extra launch, h by the gate+
 epilogue), in dp4a; ~3 instructions per weight against the MMA kernels' ~8.4, where those
 are issue-bound. Only a tuned table entry selects it (the H200's table does at 1-8 tokens).
 
+At prefill sizes MXFP4 experts may instead be decoded to bf16 once per call, into a
+scratch the bf16 kernels then read (config "KERNEL": "dequant", with the bf16 kernels'
+tile; mxfp4_dequant.py says why), where every token tile decoding them again costs more.
+Only a tuned table entry selects it, and only while the scratch fits DEQUANT_MAX_BYTES.
+
 Decode shapes (few pairs per expert) use BLOCK_M=16 and narrow N tiles so the few touched
 experts' weights are spread over every SM; prefill shapes use larger BLOCK_M. Configs come
 from configs/fused_moe.json when tuned for the device, else the heuristic below.
@@ -64,6 +69,9 @@ OP = "fused_moe"
 # checkpoint's scales against it once at load (engine/backends/cuda.py).
 MXFP4_MAX_EXACT_SCALE = 128
 WEIGHT_FORMATS = {"bf16": 0, "fp8": 1, "mxfp4": 3}
+# The largest bf16 scratch a "dequant" config may take (both projections of a layer's
+# experts; Moonlight's: 1.1 GB); above it the MXFP4 kernels run with the heuristic's tile.
+DEQUANT_MAX_BYTES = 2 << 30
 
 
 @dataclass
@@ -238,6 +246,19 @@ def fused_moe(
     if t == 0:
         return torch.empty_like(x)
     cfg = choose_config(t, top_k, e, d, i, fmt, x.device, config)
+    if cfg.get("KERNEL") == "dequant":
+        assert prologue is None, "a dequant config is for prefill sizes, not the prologue's"
+        scratch = 2 * (w13.numel() + w2.numel()) * 2  # bf16, two weights per code byte
+        if scratch <= DEQUANT_MAX_BYTES:
+            from kernels.triton.mxfp4_dequant import dequant_mxfp4
+
+            return fused_moe(
+                x, dequant_mxfp4(w13, w13_scale), dequant_mxfp4(w2, w2_scale),
+                topk_weights, topk_ids, "bf16",
+                config={k: v for k, v in cfg.items() if k != "KERNEL"},
+                shared=shared, out_dtype=out_dtype, shared_stream=shared_stream,
+            )  # fmt: skip
+        cfg = default_config(t * top_k, e, fmt)
     int8 = cfg.get("KERNEL") == "int8"
     if prologue is None:
         y = torch.empty((t, d), dtype=torch.float32, device=x.device)  # zeroed by moe_align
@@ -362,6 +383,10 @@ def _check_config(cfg: dict, fmt: str) -> None:
             f"DOWN may set {sorted(DOWN_KEYS[kind])} of the {kind} kernels, not {unknown}"
         )
         _check_config(down_config(cfg), fmt)
+    if cfg.get("KERNEL") == "dequant":
+        assert fmt == "mxfp4", f"a dequant config decodes MXFP4 experts, not {fmt!r}"
+        _check_config({k: v for k, v in cfg.items() if k != "KERNEL"}, "bf16")
+        return
     if cfg.get("KERNEL") == "int8":
         assert fmt == "mxfp4", f"the int8 kernels take MXFP4 experts, not {fmt!r}"
         assert cfg["BLOCK_K"] % 32 == 0, (

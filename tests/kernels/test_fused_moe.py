@@ -395,6 +395,39 @@ def test_fused_moe_shared_expert_on_a_side_stream(fmt, t):
     assert rel_err(captured, fused_moe(*args, **call)) < 1e-5
 
 
+@pytest.mark.parametrize("with_shared", [False, True])
+def test_fused_moe_dequant_config_runs_the_bf16_kernels_on_decoded_experts(with_shared):
+    # "KERNEL": "dequant": the MXFP4 experts decoded to bf16 once, then the bf16 kernels
+    # with the config's tile: the same result as calling them on the decoded weights
+    from kernels.reference.quant_formats import dequant_mxfp4
+
+    args, kw = make_moe(9, d=128, i=96, e=4, a=2, fmt="mxfp4", seed=13)
+    shared = random_shared(128, 128, "bf16", seed=14) if with_shared else None
+    tile = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, GROUP_M=2, num_warps=4, num_stages=2)
+    out = fused_moe(*args, **kw, config=dict(tile, KERNEL="dequant"), shared=shared)
+    w13 = dequant_mxfp4(args[1], kw["w13_scale"]).to(torch.bfloat16)
+    w2 = dequant_mxfp4(args[2], kw["w2_scale"]).to(torch.bfloat16)
+    bf16 = fused_moe(args[0], w13, w2, *args[3:], fmt="bf16", config=tile, shared=shared)
+    assert rel_err(out, bf16) < 1e-5  # float32 atomics: only the summation order differs
+    if not with_shared:
+        assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
+
+
+def test_fused_moe_dequant_config_falls_back_when_the_scratch_is_too_large(monkeypatch):
+    args, kw = make_moe(5, d=64, i=64, e=3, a=2, fmt="mxfp4", seed=15)
+    monkeypatch.setattr(fused_moe_module, "DEQUANT_MAX_BYTES", 0)
+    cfg = dict(KERNEL="dequant", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
+    out = fused_moe(*args, **kw, config=cfg)  # the MXFP4 kernels, the heuristic's tile
+    assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
+
+
+def test_dequant_configs_are_for_mxfp4_experts_only():
+    args, kw = make_moe(2, d=64, i=64, e=3, a=2, fmt="fp8", seed=16)
+    cfg = dict(KERNEL="dequant", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)
+    with pytest.raises(AssertionError, match="decodes MXFP4 experts"):
+        fused_moe(*args, **kw, config=cfg)
+
+
 @triton.jit
 def _tile_ids_kernel(hits_ptr, GROUP_M: tl.constexpr):
     pid_m, pid_n = _tile_ids(GROUP_M)

@@ -1,0 +1,78 @@
+"""MXFP4 weights decoded to bf16 in memory, for the fused MoE at prefill sizes.
+
+At a few tokens the MoE kernels decode MXFP4 codes in registers and never write a bf16
+weight: the step is bound by the bytes it reads. At prefill sizes every token tile of an
+expert decodes that expert's weights again (16K tokens, 64 experts: ~12 tiles of 128
+tokens each), and the decode's ALU work is what the tensor cores wait for: on the H200 the
+MXFP4 MoE at 16K Moonlight tokens ran at 314 TFLOP/s against bf16's 455
+(`kernels-h200-v9-moe-prefill-grouped.json`). Decoding each weight once into a bf16
+scratch (read 0.5 + write 2 bytes per weight) and running the bf16 kernels is the other
+way; the fused MoE config chooses it ("KERNEL": "dequant").
+
+The decode is the MoE kernels' own (`_mxfp4_weight_rows`): exact, since the engine admits
+MXFP4 scales only up to 2^1 (fused_moe.MXFP4_MAX_EXACT_SCALE).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from kernels.triton._common import check_device, interpreting
+from kernels.triton._fused_moe_kernels import _mxfp4_factors, _mxfp4_weight_rows
+
+# bytes of codes per program along a row (64 groups of 32 weights) and rows per program
+BLOCK_BYTES = 512
+BLOCK_ROWS = 16
+
+
+@triton.jit
+def mxfp4_dequant_kernel(
+    codes_ptr,  # [R, K/2] uint8, low nibble = even k
+    scales_ptr,  # [R, K/32] uint8 E8M0
+    out_ptr,  # [R, K] bf16
+    R,
+    KB,  # K/2: code bytes per row
+    BLOCK_R: tl.constexpr,
+    BLOCK_B: tl.constexpr,  # code bytes per program, a multiple of 16 (one scale group)
+    F32_DOT: tl.constexpr,
+    ASM: tl.constexpr,
+):
+    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
+    cols = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
+    groups = tl.program_id(1) * (BLOCK_B // 16) + tl.arange(0, BLOCK_B // 16)
+    mask_r = rows < R
+    r64 = rows.to(tl.int64)[:, None]
+    b = tl.load(codes_ptr + r64 * KB + cols[None, :],
+                mask=mask_r[:, None] & (cols < KB)[None, :], other=0)  # fmt: skip
+    s = tl.load(scales_ptr + r64 * (KB // 16) + groups[None, :],
+                mask=mask_r[:, None] & (groups < KB // 16)[None, :], other=127)  # fmt: skip
+    w = _mxfp4_weight_rows(b, _mxfp4_factors(s), F32_DOT, ASM)  # [BLOCK_R, 2 * BLOCK_B]
+    ks = tl.program_id(1) * 2 * BLOCK_B + tl.arange(0, 2 * BLOCK_B)
+    tl.store(out_ptr + r64 * (2 * KB) + ks[None, :], w.to(out_ptr.dtype.element_ty),
+             mask=mask_r[:, None] & (ks < 2 * KB)[None, :])  # fmt: skip
+
+
+def dequant_mxfp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """codes [..., N, K/2] uint8 with scales [..., N, K/32] E8M0 -> bf16 [..., N, K]."""
+    assert codes.dtype == torch.uint8 and scales.dtype == torch.uint8, (
+        f"MXFP4 codes and scales must be uint8, got {codes.dtype} and {scales.dtype}"
+    )
+    kb = codes.shape[-1]
+    assert kb % 16 == 0, f"MXFP4 rows must be whole 32-weight groups, got K/2 = {kb}"
+    assert scales.shape == (*codes.shape[:-1], kb // 16), (
+        f"scales must be {[*codes.shape[:-1], kb // 16]}, got {list(scales.shape)}"
+    )
+    assert codes.is_contiguous() and scales.is_contiguous(), "codes and scales must be contiguous"
+    check_device(codes, scales)
+    out = torch.empty((*codes.shape[:-1], 2 * kb), dtype=torch.bfloat16, device=codes.device)
+    rows = codes.numel() // kb
+    if rows:
+        grid = (triton.cdiv(rows, BLOCK_ROWS), triton.cdiv(kb, BLOCK_BYTES))
+        mxfp4_dequant_kernel[grid](
+            codes, scales, out, rows, kb,
+            BLOCK_R=BLOCK_ROWS, BLOCK_B=BLOCK_BYTES, F32_DOT=interpreting(),
+            ASM=not interpreting(), num_warps=4,
+        )  # fmt: skip
+    return out
