@@ -403,6 +403,52 @@ def stack_linears(first: Linear, second: Linear) -> Linear | None:
     return stacked
 
 
+def _mla_query_and_latent(
+    attn: MultiLatentAttention, x: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """q [T, H, N+P] and kv_a's output [T, R+P], q_proj (or q_a) and kv_a in one GEMM where
+    they are stacked."""
+    state: MlaCudaState = attn.cuda_state
+    d = attn.dims
+    q_in = attn.q_a_proj if d.q_lora_rank else attn.q_proj
+    if state.q_kv_a is not None:
+        both = state.q_kv_a(x)  # [T, q_in's rows + R + P]
+        q, kv = both[:, : q_in.out_features], both[:, q_in.out_features :]
+    else:
+        q, kv = q_in(x), attn.kv_a_proj_with_mqa(x)  # kv [T, R+P]
+    if d.q_lora_rank:
+        q = attn.q_b_proj(attn.q_a_layernorm(q))
+    return q.view(x.shape[0], d.num_heads, d.qk_nope_head_dim + d.qk_rope_head_dim), kv
+
+
+def _rope_cache_args(
+    attn: MultiLatentAttention, kv: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+) -> tuple:
+    """kernels.triton.mla_cache's arguments after q: the latent and rope key to normalise,
+    rotate and write at the step's slots."""
+    state: MlaCudaState = attn.cuda_state
+    norm = attn.kv_a_layernorm
+    return (kv, positions, state.cos, state.sin, attn.rotary.interleaved, norm.weight,
+            norm.eps, attn.kv_cache.view(-1, attn.dims.cache_width), ctx.slot_mapping)  # fmt: skip
+
+
+def mla_prefill_inputs(
+    attn: MultiLatentAttention, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MultiLatentAttention.forward's work before the attention itself, for steps that are
+    not plain decode (prefill): (q_nope [T, H, N], roped q_rope [T, H, P]), the new tokens'
+    cache entries written. q and kv_a in one GEMM, then one launch for rope, the latent's
+    norm and the cache write, where the layer's torch code launches an RMSNorm, ~12 ops of
+    rope per tensor and a concatenation and scatter (H200: one prompt's prefill step is
+    host-bound, ~2,000 launches for 11.5 ms of kernels in 63 ms)."""
+    from kernels.triton.mla_cache import mla_rope_cache_write_
+
+    q, kv = _mla_query_and_latent(attn, x)
+    n = attn.dims.qk_nope_head_dim
+    mla_rope_cache_write_(q[..., n:], *_rope_cache_args(attn, kv, positions, ctx))
+    return q[..., :n], q[..., n:]
+
+
 def mla_decode_forward(
     attn: MultiLatentAttention, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
 ) -> torch.Tensor:
@@ -417,22 +463,12 @@ def mla_decode_forward(
     state: MlaCudaState = attn.cuda_state
     d = attn.dims
     T, H, N, P, R = x.shape[0], d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.kv_lora_rank
-    q_in = attn.q_a_proj if d.q_lora_rank else attn.q_proj
-    if state.q_kv_a is not None:
-        both = state.q_kv_a(x)  # [T, q_in's rows + R + P]
-        q, kv = both[:, : q_in.out_features], both[:, q_in.out_features :]
-    else:
-        q, kv = q_in(x), attn.kv_a_proj_with_mqa(x)  # kv [T, R+P]
-    if d.q_lora_rank:
-        q = attn.q_b_proj(attn.q_a_layernorm(q))
-    q = q.view(T, H, N + P)
+    q, kv = _mla_query_and_latent(attn, x)
     cache = attn.kv_cache
-    norm = attn.kv_a_layernorm
     # One launch: rope on q's rope slices (in place), and the entry [norm(c) | rope(k_rot)]
     # written into the token's cache slot; at decode batch sizes also the absorption of
     # q_nope through W_UK (q_c), which larger T leaves to one batched GEMM.
-    cache_args = (kv, positions, state.cos, state.sin, attn.rotary.interleaved, norm.weight,
-                  norm.eps, cache.view(-1, d.cache_width), ctx.slot_mapping)  # fmt: skip
+    cache_args = _rope_cache_args(attn, kv, positions, ctx)
     if T <= ABSORB_MAX_TOKENS and q.dtype in KERNEL_DTYPES:
         q_c = mla_decode_prologue_(q, P, *cache_args, state.w_uk)  # [T, H, R]
     else:

@@ -253,16 +253,22 @@ class MultiLatentAttention(nn.Module):
             return mla_decode_forward(self, x, positions, ctx)
         d = self.dims
         T, H, N, R = x.shape[0], d.num_heads, d.qk_nope_head_dim, d.kv_lora_rank
-        if d.q_lora_rank:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+        if x.is_cuda and getattr(self, "cuda_state", None) is not None:
+            # GPU backend: q and kv_a in one GEMM, rope + norm + cache write in one launch
+            from engine.backends.cuda import mla_prefill_inputs
+
+            q_nope, q_rope = mla_prefill_inputs(self, x, positions, ctx)
         else:
-            q = self.q_proj(x)
-        q = q.view(T, H, N + d.qk_rope_head_dim)
-        q_nope, q_rope = q[..., :N], q[..., N:]
-        kv = self.kv_a_proj_with_mqa(x)  # [T, R+P]
-        latent = self.kv_a_layernorm(kv[:, :R].contiguous())
-        q_rope, k_rope = self.rotary(positions, q_rope, kv[:, None, R:])
-        write_latent_cache(self.kv_cache, ctx, latent, k_rope[:, 0])
+            if d.q_lora_rank:
+                q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
+            else:
+                q = self.q_proj(x)
+            q = q.view(T, H, N + d.qk_rope_head_dim)
+            q_nope, q_rope = q[..., :N], q[..., N:]
+            kv = self.kv_a_proj_with_mqa(x)  # [T, R+P]
+            latent = self.kv_a_layernorm(kv[:, :R].contiguous())
+            q_rope, k_rope = self.rotary(positions, q_rope, kv[:, None, R:])
+            write_latent_cache(self.kv_cache, ctx, latent, k_rope[:, 0])
         out = self._attend(q_nope, q_rope, positions, ctx)  # [T, H, V] in x's dtype
         return self.o_proj(out.reshape(T, H * d.v_head_dim))
 

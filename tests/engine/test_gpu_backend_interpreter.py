@@ -119,6 +119,47 @@ def test_mla_decode_path_matches_the_torch_path(tiny_model):
     assert relative_error(attn.kv_cache.float(), want_cache.float()) < 1e-2
 
 
+def _prefill_inputs_error(model, dtype) -> float:
+    """A prefill step's query and cache writes: the layer's torch code (RMSNorm, rope ops,
+    concatenation and scatter) against backend.mla_prefill_inputs (one stacked GEMM, one
+    rope + norm + cache launch); the largest relative error of the three results."""
+    from engine.layers.mla import write_latent_cache
+
+    runner = PagedRunner(model, block_size=4, num_blocks=32, seed=5)
+    ctx, positions = runner.context([(0, 6), (1, 3)])  # two prompts, nothing cached yet
+    attn = model.model.layers[1].self_attn
+    d = attn.dims
+    T, H, N, R = 9, d.num_heads, d.qk_nope_head_dim, d.kv_lora_rank
+    x = torch.randn(T, d.hidden_size, generator=torch.Generator().manual_seed(6)).to(dtype)
+    before = attn.kv_cache.clone()
+    q = attn.q_b_proj(attn.q_a_layernorm(attn.q_a_proj(x))) if d.q_lora_rank else attn.q_proj(x)
+    q = q.view(T, H, N + d.qk_rope_head_dim)
+    kv = attn.kv_a_proj_with_mqa(x)
+    q_rope, k_rope = attn.rotary(positions, q[..., N:], kv[:, None, R:])
+    latent = attn.kv_a_layernorm(kv[:, :R].contiguous())
+    write_latent_cache(attn.kv_cache, ctx, latent, k_rope[:, 0])
+    want_cache = attn.kv_cache.clone()
+    attn.kv_cache.copy_(before)
+    got_nope, got_rope = backend.mla_prefill_inputs(attn, x, positions, ctx)
+    assert not torch.equal(attn.kv_cache, before)  # the new tokens' entries were written
+    return max(
+        relative_error(got_nope.float(), q[..., :N].float()),
+        relative_error(got_rope.float(), q_rope.float()),
+        relative_error(attn.kv_cache.float(), want_cache.float()),
+    )
+
+
+def test_mla_prefill_inputs_match_the_torch_path(tiny_model):
+    assert _prefill_inputs_error(tiny_model, torch.bfloat16) < 1e-2
+
+
+def test_float32_prefill_inputs_are_exact(tmp_path):
+    make_random_checkpoint(tmp_path, preset="tiny", seed=6, device="cpu", mtp=False)
+    model = load_engine_model(tmp_path, enable_mtp=False)  # float32
+    backend.prepare_model(model, torch.float32, 64)
+    assert _prefill_inputs_error(model, torch.float32) < 1e-5
+
+
 def test_mla_prefill_in_the_model_dtype_is_prepared_and_close(tmp_path):
     # EngineConfig.mla_expanded_float32 = False reaches every MLA layer through
     # prepare_model; a bf16 prefill's logits then stay close to the float32 form's.
