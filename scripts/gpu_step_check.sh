@@ -89,6 +89,9 @@ for f in pathlib.Path(sys.argv[1]).glob("decode-*.json"):
                     print("   py", row)
                 print("   kernels", {n[:40]: v for n, v in list(p.get("top_kernels_us", {}).items())[:8]})
                 print("   host", {n[:40]: v for n, v in list(p.get("top_host_ops_us", {}).items())[:8]})
+                for op in p.get("device_ops", [])[:10]:
+                    print("   device op", op["op"], op["device_us"], "us", op["calls"], "calls:",
+                          " <- ".join(f.split("/")[-1] for f in op["stack"][:3]))
                 for wait in p.get("waits", [])[:8]:
                     print("   wait", wait["op"], wait["self_us"], "us", wait["calls"], "calls:",
                           " <- ".join(f.split("/")[-1] for f in wait["stack"][:4]))

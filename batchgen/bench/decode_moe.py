@@ -228,6 +228,7 @@ def profile_prefill_step(llm, prompt_len: int, vocab: int, batch: int) -> dict:
         "host_op_us": sum(host_us.values()),
         "top_host_ops_us": {n: round(us, 1) for n, us in host_us.most_common(16)},
         "waits": host_waits(prof),
+        "device_ops": device_ops(prof),
         "python_top": python_top,
     }
 
@@ -289,15 +290,33 @@ WAIT_OPS = ("cudaStreamSynchronize", "cudaDeviceSynchronize", "aten::nonzero",
             "aten::_local_scalar_dense", "cudaMemcpyAsync", "aten::copy_", "aten::index")  # fmt: skip
 
 
+def _our_frames(stack) -> list[str]:
+    return [f for f in stack if any(d in f for d in ("engine/", "kernels/", "batchgen/"))]
+
+
+def device_ops(prof, top: int = 16) -> list[dict]:
+    """Ops by the device time of the kernels they launched, each with the project's frames
+    that called it (innermost first): which Python line a glue kernel (a gather, a cat, a
+    cast) of the step comes from, which the kernel names alone do not say."""
+    rows = []
+    for e in prof.key_averages(group_by_stack_n=8):
+        us = getattr(e, "self_device_time_total", None)
+        if us is None:  # torch before 2.4
+            us = getattr(e, "self_cuda_time_total", 0)
+        if us > 0:
+            rows.append({"op": e.key, "device_us": round(us, 1), "calls": e.count,
+                         "stack": _our_frames(e.stack)[:4]})  # fmt: skip
+    return sorted(rows, key=lambda r: -r["device_us"])[:top]
+
+
 def host_waits(prof, top: int = 10) -> list[dict]:
     """The costliest WAIT_OPS by host self time, each with the project's frames of the
     Python stack that issued it (innermost first): where a step waits for the GPU."""
     rows = []
     for e in prof.key_averages(group_by_stack_n=12):
         if e.key in WAIT_OPS and e.self_cpu_time_total > 0:
-            ours = [f for f in e.stack if any(d in f for d in ("engine/", "kernels/", "batchgen/"))]
             rows.append({"op": e.key, "self_us": round(e.self_cpu_time_total, 1),
-                         "calls": e.count, "stack": ours[:6]})  # fmt: skip
+                         "calls": e.count, "stack": _our_frames(e.stack)[:6]})  # fmt: skip
     return sorted(rows, key=lambda r: -r["self_us"])[:top]
 
 
