@@ -202,6 +202,11 @@ class CudaGraphRunner:
         # pinned host copies of the sampled tokens, two sets used in turn (see `launch`)
         self._host_tokens = torch.zeros(2, self.buckets[-1], dtype=torch.int64, pin_memory=True)
         self._host_set = 0
+        # Capture streams, made once: PyTorch hands streams out round-robin from a small
+        # pool per priority, so streams made per capture (recapture) would come back as the
+        # shared expert's side stream and capture it serialized with the routed experts.
+        self._first = torch.cuda.Stream(runner.device, priority=-1)
+        self._equal = torch.cuda.Stream(runner.device)
         self._capture()
 
     def _step(self, bucket: int) -> torch.Tensor:
@@ -249,8 +254,7 @@ class CudaGraphRunner:
         # keep its priority, those on the shared expert's side stream the default; only
         # buckets up to MAIN_STREAM_FIRST_MAX_BATCH use it
         device = self.runner.device
-        first = torch.cuda.Stream(device, priority=-1)
-        equal = torch.cuda.Stream(device)
+        first, equal = self._first, self._equal
         for bucket in reversed(buckets):  # largest first: later graphs reuse its pool
             self._step(bucket)  # eager once: compiles the kernels for these shapes
             torch.cuda.synchronize(device)

@@ -166,10 +166,15 @@ class StepTimer:
 
 
 def tune_bucket(timer: StepTimer, entries: list[MoeEntry], bucket: int) -> tuple[dict, list]:
-    """Coordinate descent over each entry's stages; returns ({key: best}, timed rows)."""
+    """Coordinate descent over each entry's stages; returns ({key: best}, timed rows). The
+    shared expert's entry only where the fused MoE runs it (SHARED_FUSED_MAX_TOKENS)."""
+    from engine.backends.cuda import SHARED_FUSED_MAX_TOKENS
+
     device = timer.runner.device
     tuned, rows = {}, []
     for entry in entries:
+        if entry.role == "shared" and bucket > SHARED_FUSED_MAX_TOKENS:
+            continue
         key = entry.key(bucket)
         best = entry.base(bucket, device)
         best_ms = timer.ms(bucket, key, best)
@@ -207,11 +212,19 @@ def decode_rows(llm, batch: int, prompt_len: int, vocab: int) -> list:
     for _ in range(4):
         engine.step()
     torch.cuda.synchronize()
-    return list(engine.scheduler.running)
+    running = list(engine.scheduler.running)
+    for seq in running:  # the slot of the token a replay computes (a step grows it first)
+        engine.scheduler.blocks.grow(seq, len(seq))
+    return running
 
 
 def tune_weights(path: Path, weights: str, batches: tuple[int, ...], prompt_len: int) -> dict:
+    from engine.cuda_graph_runner import capture_buckets
     from engine.llm import LLM
+
+    buckets = capture_buckets(max(batches))
+    if not set(batches) <= set(buckets):  # a timing would fail for every candidate
+        raise click.BadParameter(f"batches must be decode graph buckets {buckets}, got {batches}")
 
     # async scheduling off: a step's tokens are read before it returns, so no row is left
     # pending for the graph inputs filled here

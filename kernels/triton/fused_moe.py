@@ -37,7 +37,8 @@ are issue-bound. Only a tuned table entry selects it (the H200's table does at 1
 At prefill sizes MXFP4 experts may instead be decoded to bf16 once per call, into a
 scratch the bf16 kernels then read (config "KERNEL": "dequant", with the bf16 kernels'
 tile; mxfp4_dequant.py says why), where every token tile decoding them again costs more.
-Only a tuned table entry selects it, and only while the scratch fits DEQUANT_MAX_BYTES.
+Only a tuned table entry selects it, and only for bf16 activations while the scratch fits
+DEQUANT_MAX_BYTES.
 
 Decode shapes (few pairs per expert) use BLOCK_M=16 and narrow N tiles so the few touched
 experts' weights are spread over every SM; prefill shapes use larger BLOCK_M. Configs come
@@ -249,7 +250,9 @@ def fused_moe(
     if cfg.get("KERNEL") == "dequant":
         assert prologue is None, "a dequant config is for prefill sizes, not the prologue's"
         scratch = 2 * (w13.numel() + w2.numel()) * 2  # bf16, two weights per code byte
-        if scratch <= DEQUANT_MAX_BYTES:
+        # bf16 activations only: the bf16 kernels multiply x by the weights as they are,
+        # and fp16 x against bf16 weights is no dot Triton compiles
+        if scratch <= DEQUANT_MAX_BYTES and x.dtype == torch.bfloat16:
             from kernels.triton.mxfp4_dequant import dequant_mxfp4
 
             return fused_moe(

@@ -22,7 +22,7 @@ import triton.language as tl
 from kernels.triton._common import check_device, interpreting
 from kernels.triton._fused_moe_kernels import _mxfp4_factors, _mxfp4_weight_rows
 
-# bytes of codes per program along a row (64 groups of 32 weights) and rows per program
+# bytes of codes per program along a row (32 groups of 32 weights) and rows per program
 BLOCK_BYTES = 512
 BLOCK_ROWS = 16
 

@@ -81,6 +81,28 @@ def test_moe_forward_matches_the_torch_path(tiny_model, tokens):
     assert relative_error(got, want) < 2e-2
 
 
+@pytest.mark.parametrize("tokens", [3, 40])
+def test_moe_forward_with_a_dequant_config_matches_the_torch_path(tiny_model, tokens, monkeypatch):
+    # a table entry choosing "dequant" (MXFP4 experts decoded to bf16 once): no prologue
+    # launch even at decode sizes, and the layer's result as its own torch code gives it
+    from kernels.triton import configs
+
+    moe = next(m for m in tiny_model.modules() if isinstance(m, DeepseekMoE))
+    if moe.experts.cuda_fused.fmt != "mxfp4":
+        pytest.skip("dequant configs are for MXFP4 experts")
+    tile = dict(KERNEL="dequant", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
+    real_lookup = configs.lookup
+    monkeypatch.setattr(
+        configs, "lookup", lambda op, key, device=None: dict(tile) if "_E1_" not in key
+        else real_lookup(op, key, device)  # the shared expert keeps its own entry
+    )  # fmt: skip
+    gen = torch.Generator().manual_seed(3)
+    x = torch.randn(tokens, moe.gate.weight.shape[1], generator=gen).bfloat16()
+    want = moe(x).float()
+    assert backend.moe_prologue(moe, x) is None
+    assert relative_error(backend.moe_forward(moe, x), want) < 2e-2
+
+
 def test_moe_forward_takes_an_empty_batch(tiny_model):
     moe = next(m for m in tiny_model.modules() if isinstance(m, DeepseekMoE))
     x = torch.zeros(0, moe.gate.weight.shape[1], dtype=torch.bfloat16)

@@ -413,12 +413,22 @@ def test_fused_moe_dequant_config_runs_the_bf16_kernels_on_decoded_experts(with_
         assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
 
 
-def test_fused_moe_dequant_config_falls_back_when_the_scratch_is_too_large(monkeypatch):
+@pytest.mark.parametrize("why", ["scratch", "fp16"])
+def test_fused_moe_dequant_config_falls_back_to_the_mxfp4_kernels(why, monkeypatch):
+    # a scratch over DEQUANT_MAX_BYTES, or fp16 activations (no fp16 x bf16 dot): the
+    # MXFP4 kernels with the heuristic's tile
     args, kw = make_moe(5, d=64, i=64, e=3, a=2, fmt="mxfp4", seed=15)
-    monkeypatch.setattr(fused_moe_module, "DEQUANT_MAX_BYTES", 0)
+    if why == "scratch":
+        monkeypatch.setattr(fused_moe_module, "DEQUANT_MAX_BYTES", 0)
+    else:
+        args[0] = args[0].half()
+    called = []
+    monkeypatch.setattr("kernels.triton.mxfp4_dequant.dequant_mxfp4", called.append)
     cfg = dict(KERNEL="dequant", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
-    out = fused_moe(*args, **kw, config=cfg)  # the MXFP4 kernels, the heuristic's tile
-    assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
+    out = fused_moe(*args, **kw, config=cfg)
+    assert not called
+    ref = fused_moe_reference(args[0].bfloat16(), *args[1:], **kw)
+    assert rel_err(out.float(), ref.float()) < 2e-2
 
 
 def test_dequant_configs_are_for_mxfp4_experts_only():
