@@ -53,7 +53,9 @@ MOE_CASES = [
     MoeCase("v4-flash-mxfp4", 4096, 2048, 256, 6, "mxfp4", (1, 4, 8, 32, 64)),
     # Moonlight's two shared experts as one (I = 2 x 1408), every token on it: the engine
     # runs it in the fused launches up to 64 tokens, and its tuned entry (E1, A1) is the
-    # one fused_moe.dense_config reads.
+    # one fused_moe.dense_config reads. Tuned here it is timed alone; in the step it runs
+    # beside the routed kernels, where another tile can win (the H200 table's T1 and T8
+    # FP8 entries carry a DOWN tile from the step): tune it with `bench step-tune`.
     MoeCase("moonlight-shared-bf16", 2048, 2816, 1, 1, "bf16", (1, 8, 32, 64)),
     MoeCase("moonlight-shared-fp8", 2048, 2816, 1, 1, "fp8", (1, 8, 32, 64)),
 ]
