@@ -91,14 +91,18 @@ def main() -> None:
     mla_ptrs = dict(qc_ptr="*bf16", qr_ptr="*bf16", cache_ptr="*bf16", block_tables_ptr="*i32",
                     ctx_lens_ptr="*i32", out_ptr="*bf16", o_part_ptr="*fp32", lse_ptr="*fp32",
                     counters_ptr="*i32")  # fmt: skip
-    for splits, warps, block_t, prefetch in ((4, 8, 32, 1), (16, 8, 32, 1), (1, 4, 32, 1),
-                                             (4, 8, 16, 2)):  # fmt: skip
+    # (value_blocks 4: batch 1's launch, each program owning 128 of the 512 output columns)
+    for splits, warps, block_t, prefetch, vblocks in (
+        (4, 8, 32, 1, 1), (16, 8, 32, 1, 1), (1, 4, 32, 1, 1), (4, 8, 16, 2, 1),
+        (4, 8, 32, 1, 4), (4, 4, 32, 1, 4), (4, 8, 16, 2, 2),
+    ):  # fmt: skip
         meta = dict(KVL=512, R=64, BS=16, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
-                    MERGE_UNROLL=min(4, splits), BLOCK_H=16, BLOCK_T=block_t, F32_DOT=False,
-                    PREFETCH=prefetch)  # fmt: skip
+                    MERGE_UNROLL=min(4, splits), BLOCK_H=16, BLOCK_T=block_t,
+                    BLOCK_V=512 // vblocks, F32_DOT=False, PREFETCH=prefetch)  # fmt: skip
         compile_report(f"mla_decode splits={splits} warps={warps} tile={block_t} "
-                       f"prefetch={prefetch}", _mla_decode_kernels.mla_decode_kernel, mla_ptrs,
-                       meta, warps, 2, MLA_DIVISIBLE)  # fmt: skip
+                       f"prefetch={prefetch} value_blocks={vblocks}",
+                       _mla_decode_kernels.mla_decode_kernel, mla_ptrs, meta, warps, 2,
+                       MLA_DIVISIBLE)  # fmt: skip
     # the MLA decode prologue with the W_UK absorption (Moonlight: 16 heads, nope 128)
     rope_ptrs = dict(q_ptr="*bf16", kv_ptr="*bf16", pos_ptr="*i64", cos_ptr="*fp32",
                      sin_ptr="*fp32", norm_w_ptr="*bf16", cache_ptr="*bf16", slot_ptr="*i64",

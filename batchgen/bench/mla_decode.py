@@ -30,6 +30,7 @@ KVL, ROPE, BLOCK_SIZE = 512, 64, 16
 CASES = [
     ("moonlight-b1-ctx256", 1, 256, 16),
     ("moonlight-b1-ctx4096", 1, 4096, 16),
+    ("moonlight-b8-ctx256", 8, 256, 16),
     ("moonlight-b32-ctx192", 32, 192, 16),
     ("moonlight-b128-ctx192", 128, 192, 16),
     ("moonlight-b256-ctx192", 256, 192, 16),
@@ -56,18 +57,24 @@ def _case_tensors(batch: int, context: int, heads: int, copies: int, device):
 
 def engine_settings(batch: int, context: int, heads: int, device) -> dict:
     """What the engine launches (mla_decode's defaults, choose_num_splits)."""
-    from kernels.triton.mla_decode import choose_num_splits, default_num_warps
+    from kernels.triton.mla_decode import (
+        choose_num_splits,
+        default_num_warps,
+        default_value_blocks,
+    )
 
     splits = choose_num_splits(batch, context, heads, device)
     return dict(block_t=32, num_warps=default_num_warps(KVL, splits), num_stages=2,
-                splits=splits, prefetch=1)  # fmt: skip
+                splits=splits, prefetch=1,
+                value_blocks=default_value_blocks(batch, heads, splits, KVL, device))  # fmt: skip
 
 
 def _settings(batch: int, context: int, heads: int, device) -> list[dict]:
     """Tile x warps x stages at the split count the engine would choose for that tile,
     then what split sequences prefetch (nothing, page indices, page indices and tiles) at
     8 warps, where 16- and 32-slot tiles fit their registers (sm_90: 200 and 255 at
-    prefetch 2); bench_case then tries half and twice the best one's splits."""
+    prefetch 2), and the engine's launch with its output columns over 1, 2, 4 and 8
+    programs; bench_case then tries half and twice the best one's splits."""
     from kernels.triton.mla_decode import choose_num_splits
 
     out = []
@@ -79,6 +86,10 @@ def _settings(batch: int, context: int, heads: int, device) -> list[dict]:
         splits = choose_num_splits(batch, context, heads, device, block_t)
         out.append(dict(block_t=block_t, num_warps=8, num_stages=2, splits=splits,
                         prefetch=prefetch))  # fmt: skip
+    engine = engine_settings(batch, context, heads, device)
+    for blocks in (1, 2, 4, 8):
+        for warps in (4, 8):
+            out.append(dict(engine, value_blocks=blocks, num_warps=warps))
     return out
 
 
@@ -93,7 +104,7 @@ def bench_case(name: str, batch: int, context: int, heads: int, copy_bps: float,
     def time(s: dict) -> float:
         calls = [functools.partial(mla_decode, q_c, q_r, c, t, lens, 0.1, s["splits"],
                                    s["block_t"], s["num_warps"], s["num_stages"],
-                                   s["prefetch"])
+                                   s["prefetch"], s.get("value_blocks", 1))
                  for c, t in zip(caches, tables)]  # fmt: skip
         return _time_chain(calls, warmup_ms=5, rep_ms=40)
 

@@ -22,6 +22,18 @@ def _load_tile(cache_ptr, page, offs_t, end, stride_cblk, stride_cslot,
 
 
 @triton.jit
+def _value_slice(c, cache_ptr, page, offs_t, end, stride_cblk, stride_cslot, v0,
+                 BS: tl.constexpr, KVL: tl.constexpr, BLOCK_V: tl.constexpr):  # fmt: skip
+    """The latent columns [v0, v0 + BLOCK_V) this program multiplies by p: `c` itself when
+    it owns them all, else a second load of the slice (an L1 hit: the tile was just read)."""
+    if BLOCK_V == KVL:
+        return c
+    row = cache_ptr + page.to(tl.int64) * stride_cblk + (offs_t % BS) * stride_cslot
+    cols = v0 + tl.arange(0, BLOCK_V)
+    return tl.load(row[:, None] + cols[None, :], mask=(offs_t < end)[:, None], other=0.0)
+
+
+@triton.jit
 def _attend_chunk(
     qc,  # [BLOCK_H, KVL]
     qr,  # [BLOCK_H, R]
@@ -30,6 +42,7 @@ def _attend_chunk(
     b,
     start,
     end,
+    v0,
     scale,
     stride_cblk,
     stride_cslot,
@@ -39,14 +52,16 @@ def _attend_chunk(
     BS: tl.constexpr,
     BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,
     F32_DOT: tl.constexpr,
     PREFETCH: tl.constexpr,  # 0, 1 (page indices) or 2 (and tiles) one tile ahead
 ):
-    """Online softmax over cache slots [start, end): (acc [BLOCK_H, KVL] unnormalised,
-    running max m [BLOCK_H], running sum l [BLOCK_H])."""
+    """Online softmax over cache slots [start, end): (acc [BLOCK_H, BLOCK_V] unnormalised,
+    the output's latent columns [v0, v0 + BLOCK_V); running max m [BLOCK_H], running sum l
+    [BLOCK_H]). The scores always take the whole latent."""
     m_i = tl.full((BLOCK_H,), float("-inf"), tl.float32)
     l_i = tl.zeros((BLOCK_H,), tl.float32)
-    acc = tl.zeros((BLOCK_H, KVL), tl.float32)
+    acc = tl.zeros((BLOCK_H, BLOCK_V), tl.float32)
     pages = block_tables_ptr + b * stride_bt
     # Triton does not pipeline this loop (its tile loads hang off the page-index loads), so
     # PREFETCH does by hand: 1 loads each tile's page indices one iteration ahead, beside
@@ -59,6 +74,7 @@ def _attend_chunk(
     if PREFETCH == 2:
         c_next, kr_next = _load_tile(cache_ptr, page_next, offs_t, end, stride_cblk,
                                      stride_cslot, KVL, R, BS)  # fmt: skip
+        page_cur = page_next  # the page of the tile in c_next (for a value slice)
         offs_t += BLOCK_T
         page_next = tl.load(pages + offs_t // BS, mask=offs_t < end, other=0)
     for t0 in range(start, end, BLOCK_T):
@@ -66,7 +82,9 @@ def _attend_chunk(
         mask_t = offs_t < end
         if PREFETCH == 2:
             c, kr = c_next, kr_next
+            page = page_cur
             offs_n = offs_t + BLOCK_T
+            page_cur = page_next
             c_next, kr_next = _load_tile(cache_ptr, page_next, offs_n, end, stride_cblk,
                                          stride_cslot, KVL, R, BS)  # fmt: skip
             offs_n += BLOCK_T
@@ -88,7 +106,9 @@ def _attend_chunk(
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])
         l_i = l_i * alpha + tl.sum(p, axis=1)
-        acc = mma(p.to(c.dtype), c, acc * alpha[:, None], F32_DOT)
+        cv = _value_slice(c, cache_ptr, page, offs_t, end, stride_cblk, stride_cslot, v0,
+                          BS, KVL, BLOCK_V)  # fmt: skip
+        acc = mma(p.to(c.dtype), cv, acc * alpha[:, None], F32_DOT)
         m_i = m_new
     return acc, m_i, l_i
 
@@ -104,7 +124,7 @@ def mla_decode_kernel(
     out_ptr,  # [B, H, KVL]
     o_part_ptr,  # [B, H, S, KVL] float32 partial outputs (normalised within the split)
     lse_ptr,  # [B, H, S] float32 log-sum-exp of each split's scores
-    counters_ptr,  # [B, cdiv(H, BLOCK_H)] int32, zero between launches (_arrival_counters)
+    counters_ptr,  # [B, cdiv(H, BLOCK_H) * V_BLOCKS] int32, zero between launches
     # sizes
     H,
     scale,
@@ -132,15 +152,20 @@ def mla_decode_kernel(
     MERGE_UNROLL: tl.constexpr,  # partials in flight while the last split merges
     BLOCK_H: tl.constexpr,
     BLOCK_T: tl.constexpr,
+    BLOCK_V: tl.constexpr,  # output latent columns per program (KVL // BLOCK_V per head block)
     F32_DOT: tl.constexpr,
     PREFETCH: tl.constexpr,  # _attend_chunk's, for split sequences
 ):
     b = tl.program_id(0).to(tl.int64)
-    hb = tl.program_id(1)
+    hv = tl.program_id(1)  # head block x value block
     split = tl.program_id(2)
+    V_BLOCKS: tl.constexpr = KVL // BLOCK_V
+    hb = hv // V_BLOCKS
+    v0 = (hv % V_BLOCKS) * BLOCK_V
     offs_h = hb * BLOCK_H + tl.arange(0, BLOCK_H)
     mask_h = offs_h < H
     offs_c = tl.arange(0, KVL)
+    offs_v = v0 + tl.arange(0, BLOCK_V)
     offs_r = tl.arange(0, R)
     # q does not depend on the context length: its loads go out beside the length's, not
     # after the branch that needs it (one DRAM round trip fewer per program).
@@ -162,25 +187,28 @@ def mla_decode_kernel(
         start = split * chunk
         end = tl.minimum(start + chunk, ctx)
         acc, m_i, l_i = _attend_chunk(
-            qc, qr, cache_ptr, block_tables_ptr, b, start, end, scale,
+            qc, qr, cache_ptr, block_tables_ptr, b, start, end, v0, scale,
             stride_cblk, stride_cslot, stride_bt,
-            KVL, R, BS, BLOCK_H, BLOCK_T, F32_DOT, PREFETCH if NUM_SPLITS > 1 else 0,
+            KVL, R, BS, BLOCK_H, BLOCK_T, BLOCK_V, F32_DOT,
+            PREFETCH if NUM_SPLITS > 1 else 0,
         )  # fmt: skip
         has = l_i > 0  # false only for a zero-length context
         l_safe = tl.where(has, l_i, 1.0)
         o = acc / l_safe[:, None]
-        out_ptrs = out_ptr + b * stride_outb + offs_h[:, None] * stride_outh + offs_c[None, :]
+        out_ptrs = out_ptr + b * stride_outb + offs_h[:, None] * stride_outh + offs_v[None, :]
         if active == 1:
             tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
         elif NUM_SPLITS > 1:  # a constexpr: with 1 no partial buffers or counters exist
             lse = tl.where(has, m_i + tl.log(l_safe), float("-inf"))
-            part = o_part_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_c[None, :]
+            part = o_part_ptr + b * stride_ob + offs_h[:, None] * stride_oh + offs_v[None, :]
             lse_row = lse_ptr + b * stride_lb + offs_h * stride_lh
             tl.store(part + split * stride_os, o, mask=mask_h[:, None])
+            # Every value block of the split stores the same lse: the merging program
+            # then reads values its own block's counter ordered before it.
             tl.store(lse_row + split, lse, mask=mask_h)
             # Every thread's stores before the counter's release (acq_rel at gpu scope).
             tl.debug_barrier()
-            counter = counters_ptr + b * tl.num_programs(1) + hb
+            counter = counters_ptr + b * tl.num_programs(1) + hv
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
             if arrived == active - 1:
                 # The last split: out = sum_s exp(lse_s - LSE) o_s / sum_s exp(lse_s - LSE).
@@ -196,7 +224,7 @@ def mla_decode_kernel(
                 top = tl.max(lse_all, axis=1)
                 top = tl.where(mask_h, top, 0.0)  # heads past H: no finite lse
                 w_all = tl.exp(lse_all - top[:, None])  # [BLOCK_H, BLOCK_S], 0 past active
-                o = tl.zeros((BLOCK_H, KVL), tl.float32)
+                o = tl.zeros((BLOCK_H, BLOCK_V), tl.float32)
                 for s in tl.range(0, active, loop_unroll_factor=MERGE_UNROLL):
                     w_s = tl.sum(tl.where(offs_s[None, :] == s, w_all, 0.0), axis=1)
                     o_s = tl.load(part + s * stride_os, mask=mask_h[:, None], other=0.0,

@@ -64,6 +64,24 @@ def default_num_warps(kvl: int, num_splits: int) -> int:
     return 8 if kvl >= 256 and num_splits > 1 else 4
 
 
+def default_value_blocks(batch: int, heads: int, num_splits: int, kvl: int, device) -> int:
+    """Output latent blocks per head block: at a few sequences the (sequence, head block,
+    split) programs leave most SMs idle and each one's fixed work (the [16, KVL] output,
+    its partial and the merge) is the kernel's time, so up to 4 programs share it, each
+    owning KVL / 4 output columns (the scores, over the whole latent, are computed by
+    each). Only while the programs still fit on the SMs at once."""
+    sms = (
+        torch.cuda.get_device_properties(device).multi_processor_count
+        if device.type == "cuda"
+        else 4
+    )
+    programs = batch * triton.cdiv(heads, 16) * num_splits
+    blocks = 1
+    while blocks < 4 and 2 * blocks * programs <= sms and kvl // (2 * blocks) >= 64:
+        blocks *= 2
+    return blocks
+
+
 def mla_decode(
     q_c: torch.Tensor,
     q_rope: torch.Tensor,
@@ -76,11 +94,13 @@ def mla_decode(
     num_warps: int | None = None,
     num_stages: int = 2,
     prefetch: int = 1,
+    value_blocks: int | None = None,
 ) -> torch.Tensor:
     """Returns [B, H, KVL] in q_c's dtype. See the module docstring for the layouts.
     `prefetch` (split sequences only): 1 loads each cache tile's page indices one tile
     ahead (H200, batch 1, context 256: 12.5 -> 11.8 us, mla-decode-h200-v3.json), 2 the
-    tiles too (not yet timed), 0 neither."""
+    tiles too (not yet timed), 0 neither. `value_blocks` (default_value_blocks when None)
+    splits each head block's output columns over that many programs."""
     assert q_c.dim() == 3 and q_rope.dim() == 3, "q_c and q_rope must be [B, H, D]"
     bsz, heads, kvl = q_c.shape
     r = q_rope.shape[-1]
@@ -96,6 +116,13 @@ def mla_decode(
     assert q_c.stride(-1) == 1 and q_rope.stride(-1) == 1 and kv_cache.stride(-1) == 1
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
     assert prefetch in (0, 1, 2), f"prefetch must be 0, 1 or 2, got {prefetch}"
+    if value_blocks is None:
+        value_blocks = default_value_blocks(bsz, heads, num_splits, kvl, q_c.device)
+    assert (
+        value_blocks >= 1
+        and kvl % value_blocks == 0
+        and (kvl // value_blocks == next_pow2(kvl // value_blocks))
+    ), f"value_blocks must split kv_lora {kvl} into powers of 2, got {value_blocks}"
     check_device(q_c, q_rope, kv_cache, block_tables, context_lens)
     out = torch.empty((bsz, heads, kvl), dtype=q_c.dtype, device=q_c.device)
     if bsz == 0:
@@ -105,10 +132,10 @@ def mla_decode(
     if num_splits > 1:
         o_part = torch.empty((bsz, heads, num_splits, kvl), dtype=torch.float32, device=q_c.device)
         lse = torch.empty((bsz, heads, num_splits), dtype=torch.float32, device=q_c.device)
-        counters = arrival_counters(q_c.device, bsz * head_blocks)
+        counters = arrival_counters(q_c.device, bsz * head_blocks * value_blocks)
     else:  # never read: one split writes `out` directly
         o_part = lse = counters = out
-    mla_decode_kernel[(bsz, head_blocks, num_splits)](
+    mla_decode_kernel[(bsz, head_blocks * value_blocks, num_splits)](
         q_c, q_rope, kv_cache, block_tables, context_lens, out, o_part, lse, counters,
         heads, float(scale),
         q_c.stride(0), q_c.stride(1), q_rope.stride(0), q_rope.stride(1),
@@ -118,7 +145,8 @@ def mla_decode(
         lse.stride(0), lse.stride(1),
         KVL=kvl, R=r, BS=kv_cache.shape[1], NUM_SPLITS=num_splits,
         BLOCK_S=next_pow2(num_splits), MERGE_UNROLL=min(4, num_splits),
-        BLOCK_H=block_h, BLOCK_T=block_t, F32_DOT=interpreting(), PREFETCH=prefetch,
+        BLOCK_H=block_h, BLOCK_T=block_t, BLOCK_V=kvl // value_blocks,
+        F32_DOT=interpreting(), PREFETCH=prefetch,
         num_warps=num_warps or default_num_warps(kvl, num_splits), num_stages=num_stages,
     )  # fmt: skip
     return out

@@ -3,7 +3,12 @@ import torch
 
 from kernels.reference.mla_decode import mla_decode_reference
 from kernels.triton._arrival_counters import arrival_counters
-from kernels.triton.mla_decode import choose_num_splits, mla_decode, splits_for_context
+from kernels.triton.mla_decode import (
+    choose_num_splits,
+    default_value_blocks,
+    mla_decode,
+    splits_for_context,
+)
 from tests.kernels._helpers import DEVICE, gpu_only, rel_err
 
 
@@ -29,13 +34,15 @@ def make_case(lens, heads, kvl, r, bs, seed):
     "lens,splits,heads",
     [([5, 37], 1, 3), ([70, 3, 1], 3, 3), ([33], 4, 3), ([5, 2], 8, 3), ([300, 5, 40], 8, 20)],
 )
-@pytest.mark.parametrize("prefetch", [0, 1, 2])
-def test_mla_decode_matches_reference(lens, splits, heads, prefetch):
+@pytest.mark.parametrize("prefetch,value_blocks", [(0, 1), (1, 1), (2, 1), (1, 2), (2, 2)])
+def test_mla_decode_matches_reference(lens, splits, heads, prefetch, value_blocks):
     # prefetch: page indices (1), and tiles (2), one tile ahead; ([33], 4): a split whose
-    # prefetch of the tile after its last one is masked off
+    # prefetch of the tile after its last one is masked off. value_blocks 2: each program
+    # owns half the output columns (and, split, merges only those).
     args = make_case(lens, heads=heads, kvl=32, r=16, bs=16, seed=len(lens) + splits)
     scale = 48**-0.5
-    out = mla_decode(*args, scale=scale, num_splits=splits, block_t=16, prefetch=prefetch)
+    out = mla_decode(*args, scale=scale, num_splits=splits, block_t=16, prefetch=prefetch,
+                     value_blocks=value_blocks)  # fmt: skip
     assert out.shape == args[0].shape
     assert rel_err(out, mla_decode_reference(*args, scale=scale)) < 1e-2
 
@@ -43,11 +50,19 @@ def test_mla_decode_matches_reference(lens, splits, heads, prefetch):
 def test_mla_decode_leaves_counters_zero_for_the_next_launch():
     # The same launch twice with other inputs: the merge must fire again (a counter left
     # non-zero would make no split the last one and leave `out` unwritten).
-    for seed in (1, 2):
+    for seed, value_blocks in ((1, 1), (2, 1), (3, 2), (4, 2)):
         args = make_case([300, 200], heads=20, kvl=32, r=16, bs=16, seed=seed)
-        out = mla_decode(*args, scale=0.2, num_splits=6, block_t=16)
+        out = mla_decode(*args, scale=0.2, num_splits=6, block_t=16, value_blocks=value_blocks)
         assert rel_err(out, mla_decode_reference(*args, scale=0.2)) < 1e-2
-        assert not arrival_counters(args[0].device, 4).any()
+        assert not arrival_counters(args[0].device, 8).any()
+
+
+def test_value_blocks_only_while_the_programs_fit_the_sms():
+    cpu = torch.device("cpu")  # 4 "SMs"
+    assert default_value_blocks(1, 16, 1, 512, cpu) == 4  # 1 program -> 4
+    assert default_value_blocks(1, 16, 2, 512, cpu) == 2  # 2 -> 4
+    assert default_value_blocks(1, 16, 4, 512, cpu) == 1  # already fills the SMs
+    assert default_value_blocks(1, 16, 1, 64, cpu) == 1  # blocks stay >= 64 columns
 
 
 def test_splits_for_context_grow_like_a_square_root():
@@ -65,6 +80,7 @@ def test_mla_decode_gpu_deepseek_shape(lens):
     args = make_case(lens, heads=128, kvl=512, r=64, bs=64, seed=len(lens))
     splits = choose_num_splits(len(lens), max(lens), 128, args[0].device)
     want = mla_decode_reference(*args, scale=192**-0.5)
-    for prefetch in (0, 1, 2):
-        out = mla_decode(*args, scale=192**-0.5, num_splits=splits, prefetch=prefetch)
+    for prefetch, value_blocks in ((0, None), (1, None), (2, None), (1, 4), (2, 2)):
+        out = mla_decode(*args, scale=192**-0.5, num_splits=splits, prefetch=prefetch,
+                         value_blocks=value_blocks)  # fmt: skip
         assert rel_err(out, want) < 1e-2
