@@ -1,14 +1,19 @@
-"""A few decode steps of a random Moonlight-shaped model inside cudaProfilerStart/Stop, for
-Nsight Compute: everything before (checkpoint, warm-up, graph capture, prefill) runs
-outside the profiled range, so `ncu --profile-from-start off` sees only the replayed decode
-graphs' kernels (graph nodes profiled one by one).
+"""A few decode steps of a random Moonlight-shaped model, for Nsight Compute on the GPU
+machine. What worked there (session 10, ncu 2025.3, 57 s):
 
-  ncu --profile-from-start off --clock-control none --section SpeedOfLight ... \
-      python3 scripts/ncu_decode_step.py --weights fp8-mxfp4 --layers 3 --batch 1
+  ncu --clock-control none --target-processes all \
+      -k regex:"mla_decode_kernel|fp8_gemv_kernel|moe_prologue_kernel|int8_kernel|rmsnorm_kernel" \
+      --launch-skip 70 --launch-count 40 --section SpeedOfLight --section LaunchStats \
+      --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
+      python3 scripts/ncu_decode_step.py --weights fp8-mxfp4 --layers 3 --batch 1 --steps 3
 
-The KV cache is kept at 1 GiB: ncu saves and restores the device memory a kernel may touch
-around each replay pass, and the engine's default cache fills the free memory. Without ncu
-the script prints the decode step time, so the same script checks itself.
+The kernel filter and skip count pass over the warm-up; the replayed graphs' kernels are
+profiled one node at a time. The measured steps also sit between cudaProfilerStart/Stop
+for `--profile-from-start off`, but in the one try of that ncu profiled from the engine's
+load on (not understood). The KV cache is kept at 1 GiB: ncu saves and restores the device
+memory around each replay pass, and the engine's default cache fills the free memory (the
+first try, with it, failed after one kernel). Without ncu the script prints the decode step
+time, so the same script checks itself.
 """
 
 from __future__ import annotations
