@@ -147,11 +147,15 @@ def command(only: str, name: str) -> None:
     device = torch.device("cuda")
     copy_bps = copy_bandwidth(device)
     parts = [p.strip() for p in only.split(",") if p.strip()]
+    cases = [c for c in CASES if not parts or any(p in c[0] for p in parts)]
+    if not cases:
+        raise click.ClickException(f"--only {only!r} matches none of {[c[0] for c in CASES]}")
     rows = []
-    for case in CASES:
-        if not parts or any(p in case[0] for p in parts):
-            rows += bench_case(*case, copy_bps, device)
-    click.echo(f"wrote {write_result(name, {'copy_tb_s': copy_bps / 1e12, 'results': rows})}")
+    for case in cases:
+        rows += bench_case(*case, copy_bps, device)
+        # after every case: a run stopped at its time limit keeps the cases it finished
+        path = write_result(name, {"copy_tb_s": copy_bps / 1e12, "results": rows})
+    click.echo(f"wrote {path}")
 
 
 if __name__ == "__main__":
