@@ -47,6 +47,7 @@ from engine.layers.moe import DeepseekMoE, RoutedExperts, routed_experts_forward
 from engine.models.base import CausalLM
 from engine.quant.fp8_block import Fp8BlockFormat
 from engine.quant.unquantized import Unquantized
+from engine.spec_decode.mtp import MAX_DRAFTS
 
 log = logging.getLogger(__name__)
 
@@ -343,7 +344,7 @@ def stack_shared_expert(mlp: torch.nn.Module):
 class MlaCudaState:
     w_uk: torch.Tensor  # [H, N, R] kv_b's key half, for q_c = q_nope W_uk
     w_uv_t: torch.Tensor  # [H, R, V] kv_b's value half, transposed, for o = o_lat W_uv^T
-    cos: torch.Tensor  # [max_model_len, P/2] float32 (YaRN attention factor included)
+    cos: torch.Tensor  # [max_model_len + MAX_DRAFTS, P/2] float32 (YaRN factor included)
     sin: torch.Tensor
     # q_proj (or q_a_proj) and kv_a_proj_with_mqa stacked into one linear: they read the
     # same x, so a decode step launches one GEMV (and one activation quantization) for
@@ -358,7 +359,10 @@ def prepare_mla(
     N = d.qk_nope_head_dim
     w = attn.kv_b_weight().float()  # [H, N+V, R]
     device = attn.kv_a_layernorm.weight.device
-    cos, sin = attn.rotary.cos_sin(torch.arange(max_len, device=device))
+    # Rows past max_len too: the MTP drafter decodes up to MAX_DRAFTS - 1 positions past a
+    # sequence's last row (drafts it then drops when they would pass max_model_len), and the
+    # rope kernels index this table by position without a bound.
+    cos, sin = attn.rotary.cos_sin(torch.arange(max_len + MAX_DRAFTS, device=device))
     q_in = attn.q_a_proj if d.q_lora_rank else attn.q_proj
     q_kv_a = stack_linears(q_in, attn.kv_a_proj_with_mqa)
     if q_kv_a is not None and isinstance(q_kv_a.format, Fp8BlockFormat):

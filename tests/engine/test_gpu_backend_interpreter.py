@@ -293,3 +293,24 @@ def test_stacked_linears_equal_the_two_and_share_their_storage(dense):
         assert isinstance(stacked.format, Fp8BlockFormat)
         # rows ending inside a scale block would need the block split: not stacked
         assert backend.stack_linears(linear(200), linear(72)) is None
+
+
+def test_decode_rope_covers_the_drafters_positions_past_max_model_len(tmp_path):
+    # The MTP drafter decodes up to MAX_DRAFTS - 1 positions past a sequence's last row,
+    # which near the end lie past max_model_len (the drafts are dropped afterwards); the
+    # kernel's rope table must still hold them. Here max_model_len is 8 and the decode row
+    # sits at position 9.
+    make_random_checkpoint(tmp_path, preset="tiny", seed=6, device="cpu", mtp=False)
+    model = load_engine_model(tmp_path, enable_mtp=False)  # float32
+    backend.prepare_model(model, torch.float32, 8)
+    runner = PagedRunner(model, block_size=4, num_blocks=32, seed=7)
+    runner.step([(0, [3, 1, 4, 1, 5, 9, 2, 6, 5])])
+    ctx, positions = runner.context([(0, 1)])
+    assert positions.tolist() == [9]
+    attn = model.model.layers[0].self_attn
+    x = torch.randn(1, attn.dims.hidden_size, generator=torch.Generator().manual_seed(8))
+    cache = attn.kv_cache.clone()
+    want = attn(x, positions, ctx)
+    attn.kv_cache.copy_(cache)
+    got = backend.mla_decode_forward(attn, x, positions, ctx)
+    assert relative_error(got, want) < 1e-5
