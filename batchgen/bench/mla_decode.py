@@ -73,8 +73,9 @@ def _settings(batch: int, context: int, heads: int, device) -> list[dict]:
     """Tile x warps x stages at the split count the engine would choose for that tile,
     then what split sequences prefetch (nothing, page indices, page indices and tiles) at
     8 warps, where 16- and 32-slot tiles fit their registers (sm_90: 200 and 255 at
-    prefetch 2), and the engine's launch with its output columns over 1, 2, 4 and 8
-    programs; bench_case then tries half and twice the best one's splits."""
+    prefetch 2), all with one value block (the launch before value blocks existed); then
+    the engine's launch with its output columns over 1, 2, 4 and 8 programs at 4 and 8
+    warps. bench_case then tries half and twice the best one's splits."""
     from kernels.triton.mla_decode import choose_num_splits
 
     out = []

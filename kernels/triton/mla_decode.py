@@ -16,6 +16,11 @@ own device-side length calls for (about sqrt(2 * its 32-token tiles)); with one 
 program writes the output directly, otherwise each split writes a normalised partial and
 its log-sum-exp and the last split to finish (an arrival counter) merges them: one launch
 in every case, so a graph captured for the longest context stays one launch per layer.
+
+At a few sequences `value_blocks` programs share a head block's output columns (the grid's
+second axis is head block x value block): each computes the scores over the whole latent
+but accumulates, stores and merges only its KVL / value_blocks columns, so the work a
+program does once per launch shrinks while the idle SMs take the extra programs.
 """
 
 from __future__ import annotations

@@ -47,6 +47,19 @@ def test_mla_decode_matches_reference(lens, splits, heads, prefetch, value_block
     assert rel_err(out, mla_decode_reference(*args, scale=scale)) < 1e-2
 
 
+@pytest.mark.parametrize("prefetch", [0, 1, 2])
+def test_value_blocks_with_tiles_across_pages(prefetch):
+    # 8-slot pages under 16-slot tiles: each tile's value slice is reloaded from two pages
+    # (prefetch 2 keeps the current tile's page indices beside the next tile's); 64 latent
+    # columns in 4 blocks of 16; 17 heads leave the second head block nearly all masked.
+    args = make_case([47, 129], heads=17, kvl=64, r=16, bs=8, seed=9)
+    want = mla_decode_reference(*args, scale=0.15)
+    for value_blocks in (1, 4):
+        out = mla_decode(*args, scale=0.15, num_splits=5, block_t=16, prefetch=prefetch,
+                         value_blocks=value_blocks)  # fmt: skip
+        assert rel_err(out, want) < 1e-2
+
+
 def test_mla_decode_leaves_counters_zero_for_the_next_launch():
     # The same launch twice with other inputs: the merge must fire again (a counter left
     # non-zero would make no split the last one and leave `out` unwritten).
