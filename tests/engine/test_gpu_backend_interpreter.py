@@ -203,20 +203,25 @@ def test_mla_prefill_in_the_model_dtype_is_prepared_and_close(tmp_path):
     assert 0 < relative_error(logits[False], logits[True]) < 3e-2
 
 
-def test_float32_decode_path_is_exact(tmp_path):
+def _float32_decode_error(tmp_path, max_len: int, prompts: list) -> float:
+    """One decode row per prompt after its prefill, in float32: the CUDA backend's decode
+    path (prepared for `max_len`) against the layer's torch code on the same cache."""
     make_random_checkpoint(tmp_path, preset="tiny", seed=6, device="cpu", mtp=False)
     model = load_engine_model(tmp_path, enable_mtp=False)  # float32
-    backend.prepare_model(model, torch.float32, 64)
+    backend.prepare_model(model, torch.float32, max_len)
     runner = PagedRunner(model, block_size=4, num_blocks=32, seed=7)
-    runner.step([(0, [3, 1, 4, 1, 5, 9]), (1, [2, 6])])
-    ctx, positions = runner.context([(0, 1), (1, 1)])
+    runner.step(list(enumerate(prompts)))
+    ctx, positions = runner.context([(i, 1) for i in range(len(prompts))])
     attn = model.model.layers[0].self_attn
-    x = torch.randn(2, attn.dims.hidden_size, generator=torch.Generator().manual_seed(8))
+    x = torch.randn(len(prompts), attn.dims.hidden_size, generator=torch.Generator().manual_seed(8))
     cache = attn.kv_cache.clone()
     want = attn(x, positions, ctx)
     attn.kv_cache.copy_(cache)
-    got = backend.mla_decode_forward(attn, x, positions, ctx)
-    assert relative_error(got, want) < 1e-5
+    return relative_error(backend.mla_decode_forward(attn, x, positions, ctx), want)
+
+
+def test_float32_decode_path_is_exact(tmp_path):
+    assert _float32_decode_error(tmp_path, 64, [[3, 1, 4, 1, 5, 9], [2, 6]]) < 1e-5
 
 
 def test_mxfp4_scales_beyond_the_kernels_exact_range_are_refused(tmp_path):
@@ -300,17 +305,4 @@ def test_decode_rope_covers_the_drafters_positions_past_max_model_len(tmp_path):
     # which near the end lie past max_model_len (the drafts are dropped afterwards); the
     # kernel's rope table must still hold them. Here max_model_len is 8 and the decode row
     # sits at position 9.
-    make_random_checkpoint(tmp_path, preset="tiny", seed=6, device="cpu", mtp=False)
-    model = load_engine_model(tmp_path, enable_mtp=False)  # float32
-    backend.prepare_model(model, torch.float32, 8)
-    runner = PagedRunner(model, block_size=4, num_blocks=32, seed=7)
-    runner.step([(0, [3, 1, 4, 1, 5, 9, 2, 6, 5])])
-    ctx, positions = runner.context([(0, 1)])
-    assert positions.tolist() == [9]
-    attn = model.model.layers[0].self_attn
-    x = torch.randn(1, attn.dims.hidden_size, generator=torch.Generator().manual_seed(8))
-    cache = attn.kv_cache.clone()
-    want = attn(x, positions, ctx)
-    attn.kv_cache.copy_(cache)
-    got = backend.mla_decode_forward(attn, x, positions, ctx)
-    assert relative_error(got, want) < 1e-5
+    assert _float32_decode_error(tmp_path, 8, [[3, 1, 4, 1, 5, 9, 2, 6, 5]]) < 1e-5
