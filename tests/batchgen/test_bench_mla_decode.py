@@ -6,7 +6,12 @@ import inspect
 import torch
 
 from batchgen.bench.mla_decode import KVL, _settings, engine_settings
-from kernels.triton.mla_decode import choose_num_splits, default_num_warps, mla_decode
+from kernels.triton.mla_decode import (
+    choose_num_splits,
+    default_num_warps,
+    default_value_blocks,
+    mla_decode,
+)
 
 ENGINE_PREFETCH = inspect.signature(mla_decode).parameters["prefetch"].default
 
@@ -16,8 +21,9 @@ def test_engine_row_uses_the_engines_own_launch_settings():
     for batch, context in ((1, 256), (2, 4096), (256, 192)):
         s = engine_settings(batch, context, 16, cpu)
         splits = choose_num_splits(batch, context, 16, cpu)
+        blocks = default_value_blocks(batch, 16, splits, KVL, cpu)
         assert s == dict(block_t=32, num_warps=default_num_warps(KVL, splits), num_stages=2,
-                         splits=splits, prefetch=ENGINE_PREFETCH)  # fmt: skip
+                         splits=splits, prefetch=ENGINE_PREFETCH, value_blocks=blocks)  # fmt: skip
     assert engine_settings(256, 192, 16, cpu)["num_warps"] == 4  # one split: 4 warps
     assert engine_settings(1, 4096, 16, cpu)["num_warps"] == 8
 
@@ -28,3 +34,4 @@ def test_sweep_covers_tiles_warps_stages_and_prefetch():
         (t, w, st) for t in (16, 32, 64) for w in (4, 8) for st in (1, 2, 3)
     }
     assert {s["prefetch"] for s in sweep} == {0, 1, 2}
+    assert {s.get("value_blocks", 1) for s in sweep} == {1, 2, 4, 8}
