@@ -26,6 +26,7 @@ from triton.compiler import ASTSource
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels.triton import (  # noqa: E402
+    _fp8_linear_kernels,
     _mla_decode_kernels,
     _moe_int8_kernels,
     mla_cache,
@@ -126,6 +127,16 @@ def main() -> None:
         compile_report(f"moe_prologue block_m={block_m} quant={quant} tile/pair={tile_per_pair}",
                        moe_prologue.moe_prologue_kernel, pro_ptrs, meta, 4, 3)  # fmt: skip
 
+    # The FP8 GEMV at one token: the table's tile, and the tuner's whole-K single-step tiles
+    gemv_ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", y_ptr="*bf16",
+                     part_ptr="*fp32", count_ptr="*i32")  # fmt: skip
+    for bn, bk, split, warps in ((16, 256, 4, 4), (8, 2048, 1, 4), (16, 1024, 1, 4),
+                                 (16, 1024, 1, 8)):  # fmt: skip
+        meta = dict(SCALE_E8M0=False, M_PAD=1, BLOCK_N=bn, BLOCK_K=bk, VEC=16, SPLIT_K=split,
+                    BIT_DECODE=False)  # fmt: skip
+        compile_report(f"fp8_gemv {bn} x {bk} split={split} warps={warps}",
+                       _fp8_linear_kernels.fp8_gemv_kernel, gemv_ptrs, meta, warps, 1,
+                       frozenset({"K", "stride_xm", "stride_wn"}))  # fmt: skip
     # MXFP4 experts decoded to bf16 once (the fused MoE's "dequant" configs, prefill sizes)
     compile_report("mxfp4_dequant", mxfp4_dequant.mxfp4_dequant_kernel,
                    dict(codes_ptr="*u8", scales_ptr="*u8", out_ptr="*bf16"),

@@ -332,9 +332,14 @@ def _tune_linear(time_cfg, base: dict, m: int, n: int, k: int, native: bool) -> 
 
     cands = [base] + _linear_candidates(m, base)
     if not native and m <= GEMV_MAX_M:
+        # The last four take a row block's whole K (up to 2048) in one or two steps: every
+        # load of a program in flight at once and no split-K partials, where the others
+        # keep two steps in flight (Nsight Compute, session 10: the 3648 x 2048 GEMV at one
+        # token read DRAM at 19% of its peak, its 912 programs mostly waiting).
         tiles = [dict(_gemv_base(m, n, k), BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
                  for bn, bk, w in ((16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 256, 4),
-                                   (64, 128, 4), (32, 512, 8))]  # fmt: skip
+                                   (64, 128, 4), (32, 512, 8), (8, 1024, 4), (8, 2048, 4),
+                                   (16, 1024, 4), (16, 1024, 8))]  # fmt: skip
         best_tile = min(tiles, key=ms)
         k_steps = math.ceil(k / best_tile["BLOCK_K"])
         splits = [sp for sp in (1, 2, 4, 6, 8, 16) if sp <= k_steps]

@@ -47,6 +47,15 @@ def test_fp8_gemv_decodes_splits_and_scales(bit_decode, scale_dtype, split_k, bl
     assert rel_err(y, fp8_block_linear_reference(x, q, s)) < 1e-2
 
 
+@pytest.mark.parametrize("m", [1, 3])
+def test_fp8_gemv_whole_k_in_one_step(m):
+    # The tuner's single-step tiles (8 rows, all of K at once): a tile wider than K, masked
+    # past it, and the prefetch of the next step reloading the only one.
+    x, q, s = _case(m, 24, 272, torch.float32, seed=40 + m)
+    y = fp8_block_linear(x, q, s, config=_gemv(8, 512, 1, False))
+    assert rel_err(y, fp8_block_linear_reference(x, q, s)) < 1e-2
+
+
 def test_fp8_gemv_bit_decode_covers_every_code():
     # All 254 finite E4M3 codes (subnormals, zero, both signs) in one row: the integer
     # decode must equal the format's value for each, not only for typical weights.
