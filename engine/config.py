@@ -66,6 +66,11 @@ class EngineConfig:
     # 330 -> 288 ms, batch-256 end to end 14,088 -> 14,871 tok/s, Moonlight-shape logits
     # still within bf16 tolerance. A float32 model (and the CPU) computes float32 either way.
     mla_expanded_float32: bool = False
+    # Steps all decode or all prefill, waiting sequences admitted in groups of at least
+    # min_prefill_seqs (engine/scheduler.py). None: on where decode steps replay CUDA graphs,
+    # which a step mixing in a prefill chunk cannot; min_prefill_seqs None: max_num_seqs / 8.
+    separate_prefill: bool | None = None
+    min_prefill_seqs: int | None = None
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -85,6 +90,8 @@ class EngineConfig:
             raise ValueError(
                 f"fp8_native_min_tokens must be >= 1 or None, got {self.fp8_native_min_tokens}"
             )
+        if self.min_prefill_seqs is not None and self.min_prefill_seqs < 1:
+            raise ValueError(f"min_prefill_seqs must be >= 1 or None, got {self.min_prefill_seqs}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; use auto or one of {sorted(_DTYPES)}")
 

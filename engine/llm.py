@@ -31,7 +31,9 @@ class LLM:
     stream, concurrently with its routed experts, in steps of up to 64 tokens (default on);
     `main_stream_first` gives small decode graphs' main stream the higher priority.
     `mla_expanded_float32` True computes MLA's prefill attention in float32 on a GPU
-    (default: in the model's dtype).
+    (default: in the model's dtype). `separate_prefill` keeps every step all decode or all
+    prefill and admits waiting requests in groups of at least `min_prefill_seqs` (default:
+    on where decode steps replay CUDA graphs, groups of max_num_seqs / 8).
     """
 
     def __init__(
@@ -52,6 +54,8 @@ class LLM:
         shared_expert_stream: bool = True,
         main_stream_first: bool = True,
         mla_expanded_float32: bool = False,
+        separate_prefill: bool | None = None,
+        min_prefill_seqs: int | None = None,
     ) -> None:
         self.config = EngineConfig(
             model=str(model),
@@ -70,6 +74,8 @@ class LLM:
             shared_expert_stream=shared_expert_stream,
             main_stream_first=main_stream_first,
             mla_expanded_float32=mla_expanded_float32,
+            separate_prefill=separate_prefill,
+            min_prefill_seqs=min_prefill_seqs,
         )
         self.engine = LLMEngine(self.config)
         self.model_name = str(model)

@@ -44,6 +44,12 @@ class LLMEngine:
             config.max_num_seqs,
             config.max_num_batched_tokens,
             lookahead_slots=config.speculative_tokens,
+            separate_prefill=(
+                self.runner.graphs is not None
+                if config.separate_prefill is None
+                else config.separate_prefill
+            ),
+            min_prefill_seqs=config.min_prefill_seqs or max(1, config.max_num_seqs // 8),
         )
         self.requests: dict[str, _RequestState] = {}
         self._unseeded = 0

@@ -1,9 +1,20 @@
 """Continuous batching: which sequences run in the next step, and how many tokens each.
 
-A step mixes decode tokens (one per running sequence) with prefill chunks, under
-max_num_batched_tokens. When the cache runs out, the most recently admitted sequence
-is preempted: its blocks are freed and it goes back to the front of the queue to be
-recomputed later (its generated tokens are kept, so nothing is lost).
+Two policies, both under max_num_batched_tokens:
+- mixed (the default): a step mixes decode tokens (one per running sequence) with
+  prefill chunks, admitting waiting sequences whenever a slot is free;
+- separate_prefill: a step is all decode or all prefill. Where decode steps replay CUDA
+  graphs (engine/cuda_graph_runner.py) only a pure decode step can: a mixed one runs
+  eagerly, and a step that admits a sequence whenever one finishes would make nearly every
+  step of a long job mixed. So waiting sequences are admitted in prefill-only steps, in
+  groups of at least min_prefill_seqs (fewer when that many are not waiting, or when
+  nothing runs): a prefill step's fixed cost (its host launches) is paid once per group,
+  while the freed slots idle for a few decode steps. A prefill chunked over several steps
+  finishes before decoding resumes.
+
+When the cache runs out, the most recently admitted sequence is preempted: its blocks are
+freed and it goes back to the front of the queue to be recomputed later (its generated
+tokens are kept, so nothing is lost).
 """
 
 from __future__ import annotations
@@ -34,13 +45,19 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         lookahead_slots: int = 0,
+        separate_prefill: bool = False,
+        min_prefill_seqs: int = 1,
     ):
+        if min_prefill_seqs < 1:
+            raise ValueError(f"min_prefill_seqs must be >= 1, got {min_prefill_seqs}")
         self.blocks = blocks
         # extra cache positions each running sequence keeps ahead of its tokens
         # (speculative drafts and the draft model's own cache writes)
         self.lookahead_slots = lookahead_slots
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
+        self.separate_prefill = separate_prefill
+        self.min_prefill_seqs = min_prefill_seqs
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -52,14 +69,36 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        if not self.separate_prefill:
+            return self._schedule(self.running, admit=True)
+        prefilling = [s for s in self.running if s.num_uncomputed > 1]
+        if prefilling or self._admission_due():
+            batch = self._schedule(prefilling, admit=True)
+            if batch.seqs:
+                return batch
+            # the cache holds no newcomer now: decode, which frees it as sequences finish
+        return self._schedule(self.running, admit=False)
+
+    def _admission_due(self) -> bool:
+        """Whether a prefill step should admit waiting sequences now (separate_prefill)."""
+        free = self.max_num_seqs - len(self.running)
+        if not self.waiting or free < 1:
+            return False
+        return not self.running or free >= min(self.min_prefill_seqs, len(self.waiting))
+
+    def _schedule(self, candidates: list[Sequence], admit: bool) -> ScheduledBatch:
+        """`candidates` (running sequences, oldest first) continue their prefill or decode,
+        then, with `admit`, waiting sequences join while there is room."""
         budget = self.max_num_batched_tokens
         seqs: list[Sequence] = []
         counts: list[int] = []
 
         # Running sequences first, oldest first: each continues its prefill or decodes.
-        i = 0
-        while i < len(self.running) and budget > 0:
-            seq = self.running[i]
+        for seq in list(candidates):
+            if budget <= 0:
+                break
+            if seq.status is not Status.RUNNING:
+                continue  # preempted for an earlier one of this step
             if seq.draft_tokens and seq.num_uncomputed + len(seq.draft_tokens) > budget:
                 seq.draft_tokens, seq.draft_probs = [], None  # drafts are optional
             n = min(seq.num_uncomputed + len(seq.draft_tokens), budget)
@@ -74,11 +113,10 @@ class Scheduler:
             seqs.append(seq)
             counts.append(n)
             budget -= n
-            i += 1
 
         # Then admit waiting sequences while there is room, preferring the group that
         # dominates the running batch (a task cluster routes to overlapping experts).
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self._next_waiting()
             n = min(seq.num_uncomputed, budget)
             if not self.blocks.can_grow(seq, self._needed(seq, n)):
