@@ -129,6 +129,41 @@ def run_engine_batch(
     }
 
 
+def run_varied_lengths(llm, batch: int, prompt_len: int, new_tokens: int, vocab: int) -> dict:
+    """End to end as a real job runs: 4 x `batch` requests through `batch` slots, each
+    asking for 1/4 to 2x `new_tokens` (seeded), so sequences finish at different steps
+    and waiting ones are admitted mid-run (continuous batching). Counts the steps that
+    replayed a decode graph and those that ran eagerly (any prefill row)."""
+    from engine.sampling_params import SamplingParams
+
+    engine = llm.engine
+    gen = torch.Generator().manual_seed(batch)
+    lens = torch.randint(new_tokens // 4, 2 * new_tokens + 1, (4 * batch,), generator=gen)
+    prompts = random_prompts(4 * batch, prompt_len, vocab, seed=batch + 20_000)
+    for i, (prompt, n) in enumerate(zip(prompts, lens.tolist())):
+        params = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
+        engine.add_request(f"v{batch}-{i}", prompt, params)
+    schedule, kinds = engine.scheduler.schedule, collections.Counter()
+
+    def counting():
+        b = schedule()
+        kinds[
+            "decode" if b.seqs and b.is_decode else "prefill or mixed" if b.seqs else "empty"
+        ] += 1
+        return b
+
+    engine.scheduler.schedule = counting
+    try:
+        start = time.perf_counter()
+        while engine.has_unfinished():
+            engine.step()
+        total = time.perf_counter() - start
+    finally:
+        engine.scheduler.schedule = schedule
+    return {"requests": 4 * batch, "tokens": int(lens.sum()), "e2e_tok_s": int(lens.sum()) / total,
+            "steps": dict(kinds)}  # fmt: skip
+
+
 def graph_replay_ms(runner, batch: int) -> float | None:
     """Device time of one graph replay of `batch`'s bucket (its inputs as last filled)."""
     graphs = runner.graphs
@@ -489,6 +524,9 @@ def bench_engine(
             f"(graph {row['graph_ms']}), {row['roofline_frac']:.1%} of roofline "
             f"({nbytes / 1e9:.2f} GB/step), e2e {r['e2e_tok_s']:.0f} tok/s"
         )
+    big = max(batches)
+    info[f"varied_lengths_batch{big}"] = run_varied_lengths(llm, big, prompt_len, new_tokens, vocab)
+    log(f"{weights}: varied lengths {info[f'varied_lengths_batch{big}']}")
     if profile_step:
         info["profile_batch1"] = profile_decode_step(llm, prompt_len, vocab)
         log(f"{weights}: profile {info['profile_batch1']}")

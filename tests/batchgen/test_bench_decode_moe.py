@@ -3,7 +3,7 @@ itself needs a GPU): they run the requests to the end and report what they name.
 
 from __future__ import annotations
 
-from batchgen.bench.decode_moe import profile_prefill_step, run_engine_batch
+from batchgen.bench.decode_moe import profile_prefill_step, run_engine_batch, run_varied_lengths
 from engine import LLM
 
 
@@ -25,3 +25,16 @@ def test_prefill_profile_counts_the_prompts_one_step_computed(tiny_model_dir):
     assert p["prompts"] == 4 and p["prefilled_prompts"] == 2  # 12 tokens: two 5-token prompts
     assert p["wall_ms"] > 0 and not llm.engine.has_unfinished()
     assert p["host_op_us"] > 0 and p["top_host_ops_us"]  # where the host's time went
+
+
+def test_varied_lengths_run_counts_each_kind_of_step(tiny_model_dir):
+    # 8 requests through 2 slots, 1-8 new tokens each: admissions happen mid-run, and with
+    # separate_prefill no step mixes prefill and decode rows.
+    for separate in (False, True):
+        llm = LLM(str(tiny_model_dir), dtype="float32", max_num_seqs=2,
+                  separate_prefill=separate, min_prefill_seqs=1)  # fmt: skip
+        vocab = int(llm.engine.runner.model.config.vocab_size)
+        r = run_varied_lengths(llm, batch=2, prompt_len=5, new_tokens=4, vocab=vocab)
+        assert r["requests"] == 8 and r["e2e_tok_s"] > 0 and not llm.engine.has_unfinished()
+        assert r["steps"]["decode"] > 0 and r["steps"]["prefill or mixed"] > 0
+        assert llm.engine.scheduler.schedule.__name__ == "schedule"  # the wrapper is gone
