@@ -530,7 +530,6 @@ def bench_engine(
     if profile_step:
         info["profile_batch1"] = profile_decode_step(llm, prompt_len, vocab)
         log(f"{weights}: profile {info['profile_batch1']}")
-        big = max(batches)
         if 1 in batches and big > 1:  # one prompt: the fixed cost of a prefill step
             info["profile_prefill_batch1"] = profile_prefill_step(llm, prompt_len, vocab, 1)
             log(f"{weights}: prefill profile {info['profile_prefill_batch1']}")
