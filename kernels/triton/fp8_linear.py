@@ -28,7 +28,7 @@ import triton
 
 from kernels.triton import configs
 from kernels.triton._arrival_counters import arrival_counters
-from kernels.triton._common import check_device, interpreting, next_pow2
+from kernels.triton._common import check_device, interpreting, next_pow2, sm_count
 from kernels.triton._fp8_linear_kernels import (
     act_quant_kernel,
     fp8_block_linear_kernel,
@@ -46,19 +46,13 @@ GEMV_MAX_M = 8
 GEMV_DEFAULT_MAX_WEIGHTS = 8 << 20
 
 
-def _sm_count(device: torch.device) -> int:
-    if device.type == "cuda":
-        return torch.cuda.get_device_properties(device).multi_processor_count
-    return 4
-
-
 def default_gemv_config(m: int, n: int, k: int, device: torch.device) -> dict:
     """GEMV heuristic: 32 rows x 256 bytes per step (8 KB, 64 B per thread at 4 warps), and
     split K until there are ~4 programs per SM, each still streaming at least 2 steps."""
     block_n, block_k = 32, 256
     n_tiles = triton.cdiv(n, block_n)
     k_steps = triton.cdiv(k, block_k)
-    split = max(1, min(triton.cdiv(4 * _sm_count(device), n_tiles), k_steps // 2))
+    split = max(1, min(triton.cdiv(4 * sm_count(device), n_tiles), k_steps // 2))
     return dict(
         KERNEL="gemv",
         BLOCK_N=block_n,
@@ -79,7 +73,7 @@ def default_config(m: int, n: int, k: int, device: torch.device, native_fp8: boo
         n_tiles = triton.cdiv(n, block_n)
         k_steps = triton.cdiv(k, block_k)
         # Enough programs for ~4 waves of one per SM; each split still streams >= 4 steps.
-        split = max(1, min(triton.cdiv(4 * _sm_count(device), n_tiles), k_steps // 4))
+        split = max(1, min(triton.cdiv(4 * sm_count(device), n_tiles), k_steps // 4))
         return dict(
             KERNEL="dot",
             BLOCK_M=block_m,
@@ -94,7 +88,7 @@ def default_config(m: int, n: int, k: int, device: torch.device, native_fp8: boo
     # tiles left most SMs idle (q_proj at M=256: 48 programs for 132 SMs; measured 6.5 ms of
     # FP8 linears in a batch-256 Moonlight step), so narrower tiles, then split-K, until
     # every SM has a program.
-    sms = _sm_count(device)
+    sms = sm_count(device)
     block_m, block_n = (64 if m <= 64 else 128), 128
 
     def programs() -> int:

@@ -31,7 +31,7 @@ import torch
 import triton
 
 from kernels.triton._arrival_counters import arrival_counters
-from kernels.triton._common import check_device, interpreting, next_pow2
+from kernels.triton._common import check_device, interpreting, next_pow2, sm_count
 from kernels.triton._mla_decode_kernels import mla_decode_kernel
 
 MAX_SPLITS = 64
@@ -52,11 +52,7 @@ def choose_num_splits(
     29 us against 42 us with the two splits of the earlier two-waves rule). Rounding
     accepts some idle SMs (100 programs on 132 SMs get one split each) rather than a
     merge of partials."""
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 4
-    )
+    sms = sm_count(device)
     programs = batch * triton.cdiv(heads, 16)
     want = round(sms / programs)
     return max(1, min(want, splits_for_context(max_context, block_t), MAX_SPLITS))
@@ -75,11 +71,7 @@ def default_value_blocks(batch: int, heads: int, num_splits: int, kvl: int, devi
     its partial and the merge) is the kernel's time, so up to 4 programs share it, each
     owning KVL / 4 output columns (the scores, over the whole latent, are computed by
     each). Only while the programs still fit on the SMs at once."""
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 4
-    )
+    sms = sm_count(device)
     programs = batch * triton.cdiv(heads, 16) * num_splits
     blocks = 1
     while blocks < 4 and 2 * blocks * programs <= sms and kvl // (2 * blocks) >= 64:

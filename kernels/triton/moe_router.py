@@ -26,7 +26,7 @@ import torch
 import triton
 
 from kernels.triton._arrival_counters import arrival_counters
-from kernels.triton._common import check_device, next_pow2
+from kernels.triton._common import check_device, next_pow2, sm_count
 from kernels.triton._moe_router_kernels import moe_gate_router_kernel, moe_router_kernel
 
 SCORING = {"sigmoid": 0, "sqrtsoftplus": 1, "softmax": 2}
@@ -92,11 +92,7 @@ def moe_route(
 def gate_experts_per_program(tokens: int, experts: int, device: torch.device) -> int:
     """The fewest experts per gate program (a power of 2) that keeps the grid within about
     two waves of the GPU: at T=1 one expert each, so the weight streams through E SMs."""
-    sms = (
-        torch.cuda.get_device_properties(device).multi_processor_count
-        if device.type == "cuda"
-        else 4
-    )
+    sms = sm_count(device)
     per = 1
     while per < next_pow2(experts) and tokens * triton.cdiv(experts, per) > 2 * sms:
         per *= 2
