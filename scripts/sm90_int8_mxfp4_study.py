@@ -104,12 +104,13 @@ def loop_instructions(fn, signature: dict, constexprs: dict, warps: int = 4) -> 
 
 _I32, _U8, _F32, _BF16 = "*i32", "*u8", "*fp32", "*bf16"
 _SIZES = dict(num_pairs="i32", D="i32", I="i32")
+_INT8_SIZES = dict(_SIZES, K_WORDS="i32")
 INT8_GATE_UP = dict(xq_ptr=_I32, xs_ptr=_F32, w_ptr=_I32, ws_ptr=_U8, hq_ptr=_I32, hs_ptr=_F32,
-                    sorted_pairs_ptr=_I32, block_expert_ptr=_I32, **_SIZES,
+                    sorted_pairs_ptr=_I32, block_expert_ptr=_I32, **_INT8_SIZES,
                     **{f"stride_{s}": "i32" for s in ("xq", "xs", "we", "wn", "wse", "wsn", "hq",
                                                      "hs")})  # fmt: skip
 INT8_DOWN = dict(hq_ptr=_I32, hs_ptr=_F32, w_ptr=_I32, ws_ptr=_U8, topk_weights_ptr=_F32,
-                 y_ptr=_F32, sorted_pairs_ptr=_I32, block_expert_ptr=_I32, **_SIZES,
+                 y_ptr=_F32, sorted_pairs_ptr=_I32, block_expert_ptr=_I32, **_INT8_SIZES,
                  **{f"stride_{s}": "i32" for s in ("hq", "hs", "we", "wn", "wse", "wsn", "yt")})  # fmt: skip
 MMA_GATE_UP = dict(x_ptr=_BF16, w_ptr=_U8, ws_ptr=_U8, h_ptr=_BF16, sorted_pairs_ptr=_I32,
                    block_expert_ptr=_I32, part_ptr=_F32, counters_ptr=_I32, **_SIZES,
@@ -121,7 +122,7 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_90 PTX, K loop instructions per thread (4 warps):")
     # the MMA kernel's tuned one-token config on the H200 (SWAP_AB, 64 rows, 128 deep)
     mma = dict(TOPK=6, WFMT=3, DENSE=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, F32_DOT=False,
-               MXFP4_ASM=True, MXFP4_DOT_SCALED=False, SWAP_AB=True, GU_SPLIT_K=2)  # fmt: skip
+               MXFP4_ASM=True, MXFP4_DOT_SCALED=False, SWAP_AB=True, GU_SPLIT_K=2, GROUP_M=1)  # fmt: skip
     n = loop_instructions(_fused_moe_kernels.moe_gate_up_kernel, MMA_GATE_UP, mma)[0]
     print(f"  MMA gate+up, 64 rows x 128: {n} for 64 weights, {n / 64:.2f} per weight")
     for block_n, block_k in ((32, 256), (64, 256), (64, 512)):

@@ -160,20 +160,37 @@ def _e8m0(e):
 
 
 @triton.jit
-def _scaled_step(acc, w_rows, ws_rows, mask_n, xq_row, xs_row, k0, K, BLOCK_K: tl.constexpr,
-                 ASM: tl.constexpr):  # fmt: skip
-    """acc [BLOCK_N, BLOCK_K/32] += one K step: the code words of rows w_rows (word pointers
-    [BLOCK_N, 1]) and their E8M0 scales, against one pair's quantized activations (row
-    pointers xq_row, xs_row). Codes past K, or masked, read as zero."""
-    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # code words: 8 weights each
+def _load_weights(w_rows, ws_rows, mask_n, k0, K_WORDS, BLOCK_K: tl.constexpr):
+    """One K step's code words [BLOCK_N, BLOCK_K/8] of rows w_rows (word pointers
+    [BLOCK_N, 1]) and their E8M0 scales [BLOCK_N, BLOCK_K/32]; past K (or masked) codes read
+    as zero. K_WORDS (K / 8) is an argument of its own so that Triton's launcher sees it
+    divisible by 16 where it is: the mask is then constant over 4 words and the codes load
+    as 16-byte vectors (K / 8 from a K known only as divisible by 16 gave 8-byte loads)."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     offs_b = k0 // 32 + tl.arange(0, BLOCK_K // 32)
-    in_w, in_b = offs_w < K // 8, offs_b < K // 32
+    in_w, in_b = offs_w < K_WORDS, offs_b < K_WORDS // 4
     codes = tl.load(w_rows + offs_w[None, :], mask=mask_n[:, None] & in_w[None, :], other=0)
     ws = tl.load(ws_rows + offs_b[None, :], mask=mask_n[:, None] & in_b[None, :], other=127)
-    # activation words 2w and 2w + 1 hold the elements of code word w's two halves
+    return codes, ws
+
+
+@triton.jit
+def _load_acts(xq_row, xs_row, k0, K_WORDS, BLOCK_K: tl.constexpr):
+    """One K step's quantized activations of a pair: the int8 x 4 words holding code word
+    w's low and high halves (words 2w and 2w + 1), and the 32-blocks' scales."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    offs_b = k0 // 32 + tl.arange(0, BLOCK_K // 32)
+    in_w, in_b = offs_w < K_WORDS, offs_b < K_WORDS // 4
     x_lo = tl.load(xq_row + 2 * offs_w, mask=in_w, other=0)
     x_hi = tl.load(xq_row + 2 * offs_w + 1, mask=in_w, other=0)
     xs = tl.load(xs_row + offs_b, mask=in_b, other=0.0)
+    return x_lo, x_hi, xs
+
+
+@triton.jit
+def _dot_step(acc, codes, ws, x_lo, x_hi, xs, BLOCK_K: tl.constexpr, ASM: tl.constexpr):
+    """acc [BLOCK_N, BLOCK_K/32] += one K step's products, per row and 32-block: the int32
+    dot of the decoded codes and the activations, times both scales."""
     w_lo, w_hi = decode_e2m1_int8(codes, ASM)
     d = dp4a(w_lo, x_lo[None, :] + tl.zeros_like(w_lo), tl.zeros_like(w_lo), ASM)
     d = dp4a(w_hi, x_hi[None, :] + tl.zeros_like(w_hi), d, ASM)
@@ -207,6 +224,7 @@ def moe_gate_up_int8_kernel(
     num_pairs,
     D,
     I,
+    K_WORDS,  # D / 8: code words per row (see _load_weights)
     # strides (in elements of each tensor)
     stride_xq,
     stride_xs,
@@ -235,9 +253,23 @@ def moe_gate_up_int8_kernel(
     gate_s, up_s = ws_e + units[:, None] * stride_wsn, ws_e + (units + I)[:, None] * stride_wsn
     acc_g = tl.zeros([BLOCK_N, BLOCK_K // 32], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K // 32], tl.float32)
+    # Every load of step k + 1 (gate and up codes, their scales, the activations) is issued
+    # before step k's math: one DRAM round trip in flight behind the math, where loading
+    # each tile just before its use made ~2 dependent round trips per step (the math's
+    # layout conversions put barriers between the gate's tile and the up's; sm_90 PTX).
+    # The last step reloads its own tiles (L1 hits), which keeps the masks vector-wide.
+    k_last = (D - 1) // BLOCK_K * BLOCK_K
+    g_next, gs_next = _load_weights(gate_w, gate_s, mask_n, 0, K_WORDS, BLOCK_K)
+    u_next, us_next = _load_weights(up_w, up_s, mask_n, 0, K_WORDS, BLOCK_K)
+    lo_next, hi_next, xs_next = _load_acts(xq_row, xs_row, 0, K_WORDS, BLOCK_K)
     for k0 in range(0, D, BLOCK_K):
-        acc_g = _scaled_step(acc_g, gate_w, gate_s, mask_n, xq_row, xs_row, k0, D, BLOCK_K, ASM)
-        acc_u = _scaled_step(acc_u, up_w, up_s, mask_n, xq_row, xs_row, k0, D, BLOCK_K, ASM)
+        g, gs, u, us, x_lo, x_hi, x_s = g_next, gs_next, u_next, us_next, lo_next, hi_next, xs_next
+        k1 = tl.minimum(k0 + BLOCK_K, k_last)
+        g_next, gs_next = _load_weights(gate_w, gate_s, mask_n, k1, K_WORDS, BLOCK_K)
+        u_next, us_next = _load_weights(up_w, up_s, mask_n, k1, K_WORDS, BLOCK_K)
+        lo_next, hi_next, xs_next = _load_acts(xq_row, xs_row, k1, K_WORDS, BLOCK_K)
+        acc_g = _dot_step(acc_g, g, gs, x_lo, x_hi, x_s, BLOCK_K, ASM)
+        acc_u = _dot_step(acc_u, u, us, x_lo, x_hi, x_s, BLOCK_K, ASM)
     gate = tl.sum(acc_g, axis=1)  # [BLOCK_N]
     h = gate * tl.sigmoid(gate) * tl.sum(acc_u, axis=1)
     # Quantized here for the down kernel: this program holds whole 32-unit blocks.
@@ -263,6 +295,7 @@ def moe_down_int8_kernel(
     num_pairs,
     D,
     I,
+    K_WORDS,  # I / 8: code words per row (see _load_weights)
     # strides
     stride_hq,
     stride_hs,
@@ -286,8 +319,16 @@ def moe_down_int8_kernel(
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + rows[:, None] * stride_wn
     ws_rows = ws_ptr + expert.to(tl.int64) * stride_wse + rows[:, None] * stride_wsn
     acc = tl.zeros([BLOCK_N, BLOCK_K // 32], tl.float32)
+    # As in the gate+up kernel: step k + 1's loads are issued before step k's math.
+    k_last = (I - 1) // BLOCK_K * BLOCK_K
+    w_next, ws_next = _load_weights(w_rows, ws_rows, mask_n, 0, K_WORDS, BLOCK_K)
+    lo_next, hi_next, hs_next = _load_acts(hq_row, hs_row, 0, K_WORDS, BLOCK_K)
     for k0 in range(0, I, BLOCK_K):
-        acc = _scaled_step(acc, w_rows, ws_rows, mask_n, hq_row, hs_row, k0, I, BLOCK_K, ASM)
+        w, ws, h_lo, h_hi, h_s = w_next, ws_next, lo_next, hi_next, hs_next
+        k1 = tl.minimum(k0 + BLOCK_K, k_last)
+        w_next, ws_next = _load_weights(w_rows, ws_rows, mask_n, k1, K_WORDS, BLOCK_K)
+        lo_next, hi_next, hs_next = _load_acts(hq_row, hs_row, k1, K_WORDS, BLOCK_K)
+        acc = _dot_step(acc, w, ws, h_lo, h_hi, h_s, BLOCK_K, ASM)
     out = tl.sum(acc, axis=1) * tl.load(topk_weights_ptr + pair)
     # The combine, as in moe_down_kernel: other experts' tiles add to the same token's
     # row, hence atomics.

@@ -305,7 +305,7 @@ def fused_moe(
             w13_words, w2_words = w13.view(torch.int32), w2.view(torch.int32)
             moe_gate_up_int8_kernel[(max_blocks, triton.cdiv(i, cfg["BLOCK_N"]))](
                 xq, xs, w13_words, s13, hq, hs, pairs, groups,
-                p, d, i,
+                p, d, i, d // 8,
                 xq.stride(0), xs.stride(0), w13_words.stride(0), w13_words.stride(1), *s13_strides,
                 hq.stride(0), hs.stride(0),
                 TOPK=top_k, **_int8_meta(cfg),
@@ -323,7 +323,7 @@ def fused_moe(
         if int8:
             moe_down_int8_kernel[(max_blocks, triton.cdiv(d, down["BLOCK_N"]))](
                 hq, hs, w2_words, s2, route_w, y, pairs, groups,
-                p, d, i,
+                p, d, i, i // 8,
                 hq.stride(0), hs.stride(0), w2_words.stride(0), w2_words.stride(1), *s2_strides,
                 y.stride(0),
                 TOPK=top_k, **_int8_meta(down),
