@@ -429,7 +429,7 @@ def _mxfp4_candidates(base: dict, tokens: int, int8: bool) -> list[dict]:
     out = [base, a_wt, dict(a_wt, BLOCK_N=128, MXFP4_DOT_SCALED=True)]
     if int8 and tokens <= INT8_MAX_TOKENS:
         out += [dict(KERNEL="int8", BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
-                for bn, bk, w in itertools.product((32, 64, 128), (256, 512), (4, 8))]  # fmt: skip
+                for bn, bk, w in itertools.product((32, 64, 128), (128, 256, 512), (4, 8))]  # fmt: skip
     return out + _swap_candidates(base, "mxfp4")
 
 
