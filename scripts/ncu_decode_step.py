@@ -7,7 +7,9 @@ machine. What worked there (session 10, ncu 2025.3, 57 s):
       --section Occupancy --section WarpStateStats --section MemoryWorkloadAnalysis \
       python3 scripts/ncu_decode_step.py --weights fp8-mxfp4 --layers 3 --batch 1 --steps 3
 
-The kernel filter and skip count pass over the warm-up; the replayed graphs' kernels are
+The kernel filter and skip count pass over the warm-up (the skip counts only launches the
+filter matches: a filter on fewer kernels, e.g. "int8_kernel", needs a smaller skip, or
+it skips every launch of a 3-layer model, as in session 11); the replayed graphs' kernels are
 profiled one node at a time. The measured steps also sit between cudaProfilerStart/Stop
 for `--profile-from-start off`, but in the one try of that ncu profiled from the engine's
 load on (not understood). The KV cache is kept at 1 GiB: ncu saves and restores the device

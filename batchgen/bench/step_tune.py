@@ -100,6 +100,12 @@ def _shared_gate_up_tiles(best: dict) -> list[dict]:
     return splits + [dict(best, BLOCK_N=bn) for bn in (32, 64, 128)]
 
 
+def _int8_prefetch(best: dict) -> list[dict]:
+    # Next step's loads before this step's math, or each tile just before its own: the
+    # first wins alone, the second won beside the shared expert at batch 1 (H200, 2026-11-29)
+    return [dict(best, PREFETCH=p) for p in (True, False)]
+
+
 def _int8_tiles(best: dict) -> list[dict]:
     return [dict(best, BLOCK_N=bn, num_warps=w) for bn in (32, 64) for w in (4, 8)]
 
@@ -122,7 +128,7 @@ def candidate_stages(entry: MoeEntry, base: dict) -> list:
     if entry.role == "shared":
         return [_shared_down_tiles, _shared_gate_up_tiles]
     if base.get("KERNEL") == "int8":
-        return [_int8_tiles, _int8_down_tiles]
+        return [_int8_prefetch, _int8_tiles, _int8_down_tiles]
     return [_mma_tiles, _mma_down_splits]
 
 

@@ -239,6 +239,7 @@ def moe_gate_up_int8_kernel(
     BLOCK_N: tl.constexpr,  # units per program (their gate and their up rows), 32 | BLOCK_N
     BLOCK_K: tl.constexpr,  # weights per K step, a multiple of 32
     ASM: tl.constexpr,
+    PREFETCH: tl.constexpr = True,  # step k + 1's loads issued before step k's math
 ):
     expert, pair = _tile_pair(sorted_pairs_ptr, block_expert_ptr, num_pairs)
     if expert < 0:
@@ -253,23 +254,36 @@ def moe_gate_up_int8_kernel(
     gate_s, up_s = ws_e + units[:, None] * stride_wsn, ws_e + (units + I)[:, None] * stride_wsn
     acc_g = tl.zeros([BLOCK_N, BLOCK_K // 32], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_K // 32], tl.float32)
-    # Every load of step k + 1 (gate and up codes, their scales, the activations) is issued
-    # before step k's math: one DRAM round trip in flight behind the math, where loading
-    # each tile just before its use made ~2 dependent round trips per step (the math's
-    # layout conversions put barriers between the gate's tile and the up's; sm_90 PTX).
-    # The last step reloads its own tiles (L1 hits), which keeps the masks vector-wide.
-    k_last = (D - 1) // BLOCK_K * BLOCK_K
-    g_next, gs_next = _load_weights(gate_w, gate_s, mask_n, 0, K_WORDS, BLOCK_K)
-    u_next, us_next = _load_weights(up_w, up_s, mask_n, 0, K_WORDS, BLOCK_K)
-    lo_next, hi_next, xs_next = _load_acts(xq_row, xs_row, 0, K_WORDS, BLOCK_K)
-    for k0 in range(0, D, BLOCK_K):
-        g, gs, u, us, x_lo, x_hi, x_s = g_next, gs_next, u_next, us_next, lo_next, hi_next, xs_next
-        k1 = tl.minimum(k0 + BLOCK_K, k_last)
-        g_next, gs_next = _load_weights(gate_w, gate_s, mask_n, k1, K_WORDS, BLOCK_K)
-        u_next, us_next = _load_weights(up_w, up_s, mask_n, k1, K_WORDS, BLOCK_K)
-        lo_next, hi_next, xs_next = _load_acts(xq_row, xs_row, k1, K_WORDS, BLOCK_K)
-        acc_g = _dot_step(acc_g, g, gs, x_lo, x_hi, x_s, BLOCK_K, ASM)
-        acc_u = _dot_step(acc_u, u, us, x_lo, x_hi, x_s, BLOCK_K, ASM)
+    if PREFETCH:
+        # Every load of step k + 1 (gate and up codes, their scales, the activations) is
+        # issued before step k's math: one DRAM round trip in flight behind the math, where
+        # loading each tile just before its use makes ~2 dependent round trips per step (the
+        # math's layout conversions put barriers between the gate's tile and the up's; sm_90
+        # PTX). The last step reloads its own tiles (L1 hits): the masks stay vector-wide.
+        k_last = (D - 1) // BLOCK_K * BLOCK_K
+        g_next, gs_next = _load_weights(gate_w, gate_s, mask_n, 0, K_WORDS, BLOCK_K)
+        u_next, us_next = _load_weights(up_w, up_s, mask_n, 0, K_WORDS, BLOCK_K)
+        lo_next, hi_next, xs_next = _load_acts(xq_row, xs_row, 0, K_WORDS, BLOCK_K)
+        for k0 in range(0, D, BLOCK_K):
+            g, gs, u, us = g_next, gs_next, u_next, us_next
+            x_lo, x_hi, x_s = lo_next, hi_next, xs_next
+            k1 = tl.minimum(k0 + BLOCK_K, k_last)
+            g_next, gs_next = _load_weights(gate_w, gate_s, mask_n, k1, K_WORDS, BLOCK_K)
+            u_next, us_next = _load_weights(up_w, up_s, mask_n, k1, K_WORDS, BLOCK_K)
+            lo_next, hi_next, xs_next = _load_acts(xq_row, xs_row, k1, K_WORDS, BLOCK_K)
+            acc_g = _dot_step(acc_g, g, gs, x_lo, x_hi, x_s, BLOCK_K, ASM)
+            acc_u = _dot_step(acc_u, u, us, x_lo, x_hi, x_s, BLOCK_K, ASM)
+    else:
+        # Each tile loaded just before its math: fewer registers (64 against 97 at the
+        # one-token tile, sm_90). Slower alone, but this order (with 8-byte loads, before
+        # K_WORDS) made the faster batch-1 decode step beside the shared expert's kernels:
+        # H200, 517 against 501-504 tok/s with PREFETCH (notes-gpu-engine.md, v12).
+        for k0 in range(0, D, BLOCK_K):
+            x_lo, x_hi, x_s = _load_acts(xq_row, xs_row, k0, K_WORDS, BLOCK_K)
+            g, gs = _load_weights(gate_w, gate_s, mask_n, k0, K_WORDS, BLOCK_K)
+            acc_g = _dot_step(acc_g, g, gs, x_lo, x_hi, x_s, BLOCK_K, ASM)
+            u, us = _load_weights(up_w, up_s, mask_n, k0, K_WORDS, BLOCK_K)
+            acc_u = _dot_step(acc_u, u, us, x_lo, x_hi, x_s, BLOCK_K, ASM)
     gate = tl.sum(acc_g, axis=1)  # [BLOCK_N]
     h = gate * tl.sigmoid(gate) * tl.sum(acc_u, axis=1)
     # Quantized here for the down kernel: this program holds whole 32-unit blocks.
@@ -309,6 +323,7 @@ def moe_down_int8_kernel(
     BLOCK_N: tl.constexpr,  # output rows (of D) per program
     BLOCK_K: tl.constexpr,
     ASM: tl.constexpr,
+    PREFETCH: tl.constexpr = True,  # as in moe_gate_up_int8_kernel
 ):
     expert, pair = _tile_pair(sorted_pairs_ptr, block_expert_ptr, num_pairs)
     if expert < 0:
@@ -319,16 +334,21 @@ def moe_down_int8_kernel(
     w_rows = w_ptr + expert.to(tl.int64) * stride_we + rows[:, None] * stride_wn
     ws_rows = ws_ptr + expert.to(tl.int64) * stride_wse + rows[:, None] * stride_wsn
     acc = tl.zeros([BLOCK_N, BLOCK_K // 32], tl.float32)
-    # As in the gate+up kernel: step k + 1's loads are issued before step k's math.
-    k_last = (I - 1) // BLOCK_K * BLOCK_K
-    w_next, ws_next = _load_weights(w_rows, ws_rows, mask_n, 0, K_WORDS, BLOCK_K)
-    lo_next, hi_next, hs_next = _load_acts(hq_row, hs_row, 0, K_WORDS, BLOCK_K)
-    for k0 in range(0, I, BLOCK_K):
-        w, ws, h_lo, h_hi, h_s = w_next, ws_next, lo_next, hi_next, hs_next
-        k1 = tl.minimum(k0 + BLOCK_K, k_last)
-        w_next, ws_next = _load_weights(w_rows, ws_rows, mask_n, k1, K_WORDS, BLOCK_K)
-        lo_next, hi_next, hs_next = _load_acts(hq_row, hs_row, k1, K_WORDS, BLOCK_K)
-        acc = _dot_step(acc, w, ws, h_lo, h_hi, h_s, BLOCK_K, ASM)
+    if PREFETCH:  # as in the gate+up kernel: step k + 1's loads before step k's math
+        k_last = (I - 1) // BLOCK_K * BLOCK_K
+        w_next, ws_next = _load_weights(w_rows, ws_rows, mask_n, 0, K_WORDS, BLOCK_K)
+        lo_next, hi_next, hs_next = _load_acts(hq_row, hs_row, 0, K_WORDS, BLOCK_K)
+        for k0 in range(0, I, BLOCK_K):
+            w, ws, h_lo, h_hi, h_s = w_next, ws_next, lo_next, hi_next, hs_next
+            k1 = tl.minimum(k0 + BLOCK_K, k_last)
+            w_next, ws_next = _load_weights(w_rows, ws_rows, mask_n, k1, K_WORDS, BLOCK_K)
+            lo_next, hi_next, hs_next = _load_acts(hq_row, hs_row, k1, K_WORDS, BLOCK_K)
+            acc = _dot_step(acc, w, ws, h_lo, h_hi, h_s, BLOCK_K, ASM)
+    else:
+        for k0 in range(0, I, BLOCK_K):
+            w, ws = _load_weights(w_rows, ws_rows, mask_n, k0, K_WORDS, BLOCK_K)
+            h_lo, h_hi, h_s = _load_acts(hq_row, hs_row, k0, K_WORDS, BLOCK_K)
+            acc = _dot_step(acc, w, ws, h_lo, h_hi, h_s, BLOCK_K, ASM)
     out = tl.sum(acc, axis=1) * tl.load(topk_weights_ptr + pair)
     # The combine, as in moe_down_kernel: other experts' tiles add to the same token's
     # row, hence atomics.

@@ -363,7 +363,7 @@ def choose_config(
 # grouping's and stay shared.
 DOWN_KEYS = {
     "mma": {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SWAP_AB", "SPLIT_K"},
-    "int8": {"BLOCK_N", "BLOCK_K", "num_warps"},
+    "int8": {"BLOCK_N", "BLOCK_K", "num_warps", "PREFETCH"},
 }
 
 
@@ -468,7 +468,7 @@ def _int8_meta(cfg: dict) -> dict:
     integer decode and dp4a on a GPU too (a cross-check); the interpreter always does."""
     return dict(BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
                 ASM=cfg.get("INT8_ASM", True) and not interpreting(),
-                num_warps=cfg.get("num_warps", 4))  # fmt: skip
+                PREFETCH=cfg.get("PREFETCH", True), num_warps=cfg.get("num_warps", 4))  # fmt: skip
 
 
 def _check_shared(shared: SharedExpert, d: int) -> int:

@@ -104,6 +104,18 @@ def test_int8_moe_matches_the_float_reference(t, a, e, block_n, block_k):
     assert rel_err(out, fused_moe_reference(*args, **kw)) < 3e-2
 
 
+@pytest.mark.parametrize("block_n,block_k", [(32, 64), (64, 256)])
+def test_int8_moe_without_prefetch_matches_the_float_reference(block_n, block_k):
+    # PREFETCH False: each tile loaded just before its math (partial K steps, as above)
+    args, kw = make_moe(7, d=160, i=96, e=3, a=2, fmt="mxfp4", seed=72)
+    cfg = dict(INT8, BLOCK_N=block_n, BLOCK_K=block_k, PREFETCH=False)
+    out = fused_moe(*args, **kw, config=cfg)
+    assert rel_err(out, fused_moe_reference(*args, **kw)) < 3e-2
+    # and the same sums as with it: only the order of the loads differs
+    prefetched = fused_moe(*args, **kw, config=dict(cfg, PREFETCH=True))
+    torch.testing.assert_close(out, prefetched, rtol=0, atol=0)
+
+
 def test_int8_down_launch_takes_its_own_tile():
     # DOWN: the down launch's own row tile, K step and warps (gate+up keeps 32 x 64)
     args, kw = make_moe(4, d=160, i=96, e=5, a=3, fmt="mxfp4", seed=41)
