@@ -742,12 +742,15 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--separate-prefill/--mixed-steps", default=True, show_default=True,
               help="Steps all decode or all prefill (the engine's default with CUDA graphs), "
                    "or decode rows and prefill chunks mixed in one (eager) step.")  # fmt: skip
+@click.option("--min-prefill-seqs", type=int, default=None,
+              help="With separate prefill: requests admitted per prefill step at least "
+                   "(default: the engine's, max_num_seqs / 8).")  # fmt: skip
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="Our engine's requests: 0 is greedy (transformers stays greedy).")  # fmt: skip
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens, workdir, name,
             fp8_native_min_tokens, shared_expert_stream, mla_expanded_float32,
-            main_stream_first, separate_prefill, temperature, top_p):  # fmt: skip
+            main_stream_first, separate_prefill, min_prefill_seqs, temperature, top_p):  # fmt: skip
     """Decode tok/s of a DeepSeek-V3-family MoE on the GPU vs transformers and the roofline."""
     chosen = tuple(w.strip() for w in weights.split(",") if w.strip())
     unknown = [w for w in chosen if w not in WEIGHTS]
@@ -757,7 +760,8 @@ def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens
                           shared_expert_stream=shared_expert_stream,
                           mla_expanded_float32=mla_expanded_float32,
                           main_stream_first=main_stream_first,
-                          separate_prefill=separate_prefill)  # fmt: skip
+                          separate_prefill=separate_prefill,
+                          min_prefill_seqs=min_prefill_seqs)  # fmt: skip
     run(preset, layers, chosen, _ints(batches), _ints(hf_batches), prompt_len, new_tokens,
         workdir, name, engine_options,
         {"temperature": temperature, "top_p": top_p, "seed": 0} if temperature > 0 else None)  # fmt: skip

@@ -17,8 +17,12 @@ accumulates into, the combine, in extra programs, so that costs no launch of its
   offset), and scatters its pairs, while extra programs write the tile -> expert map and
   the pad slots. One program looping over 768 pairs took 51 us per MoE layer on the H200
   (1.3 ms of an 11 ms batch-128 step).
-Above KERNEL_MAX_PAIRS (prefill) the torch twin runs. `moe_align_torch` is the plain torch
-twin; all three give the same bits (ranks within an expert are stable).
+- above PREFIX_MIN_PAIRS (prefill): the same two launches with a cumsum of the chunk counts
+  between them, so each program reads two rows of it (its offset, the totals) instead of
+  summing every chunk's counts, which grows with the square of the chunks. Before it,
+  prefill ran the torch twin: ~20 launches per MoE layer, host-bound in a prefill step.
+`moe_align_torch` is the plain torch twin; all give the same bits (ranks within an expert
+are stable).
 """
 
 from __future__ import annotations
@@ -32,10 +36,11 @@ import triton.language as tl
 from kernels.triton._common import check_device, next_pow2
 
 ZERO_BLOCK = 4096  # float32 elements zeroed per extra program
-# One program loops over the pairs (~0.2 us per chunk of 128): a few us at decode sizes,
-# but a prefill of thousands of tokens would take a millisecond per layer there, where the
-# torch chain's fixed ~20 launches are cheaper.
-KERNEL_MAX_PAIRS = 4096
+# From this many pairs the place kernel's programs read a prefix sum of the chunk counts
+# (one cumsum launch) instead of each summing the counts of every chunk: at 4096 pairs and
+# 64 experts that loop reads 64 rows per program, 64 programs; at a 16K-token prefill's
+# 98K pairs it would read 1,536 rows in each of 1,536 programs.
+PREFIX_MIN_PAIRS = 4096
 
 
 @dataclass
@@ -177,19 +182,27 @@ def moe_place_kernel(
     CHUNK: tl.constexpr,
     ROWS: tl.constexpr,  # chunk-count rows summed per loop step
     TILES: tl.constexpr,  # tiles mapped per map program
+    PREFIX: tl.constexpr,  # chunk_counts holds inclusive prefix sums over the chunks
 ):
     pid = tl.program_id(0)
     offs_e = tl.arange(0, BLOCK_E)
     # Every program needs the padded starts; a chunk's program also the pairs of each
     # expert in the chunks before it.
-    counts = tl.zeros((BLOCK_E,), tl.int32)
-    before_chunk = tl.zeros((BLOCK_E,), tl.int32)
-    for r0 in range(0, n_chunks, ROWS):
-        rows = r0 + tl.arange(0, ROWS)
-        cc = tl.load(chunk_counts_ptr + rows[:, None] * BLOCK_E + offs_e[None, :],
-                     mask=(rows < n_chunks)[:, None], other=0)  # fmt: skip
-        counts += tl.sum(cc, axis=0)
-        before_chunk += tl.sum(tl.where((rows < pid)[:, None], cc, 0), axis=0)
+    if PREFIX:
+        row = chunk_counts_ptr + offs_e
+        counts = tl.load(row + (n_chunks - 1) * BLOCK_E)
+        prev = tl.minimum(tl.maximum(pid - 1, 0), n_chunks - 1)  # in bounds for every pid
+        before_chunk = tl.load(row + prev * BLOCK_E)
+        before_chunk = tl.where((pid > 0) & (pid < n_chunks), before_chunk, 0)
+    else:
+        counts = tl.zeros((BLOCK_E,), tl.int32)
+        before_chunk = tl.zeros((BLOCK_E,), tl.int32)
+        for r0 in range(0, n_chunks, ROWS):
+            rows = r0 + tl.arange(0, ROWS)
+            cc = tl.load(chunk_counts_ptr + rows[:, None] * BLOCK_E + offs_e[None, :],
+                         mask=(rows < n_chunks)[:, None], other=0)  # fmt: skip
+            counts += tl.sum(cc, axis=0)
+            before_chunk += tl.sum(tl.where((rows < pid)[:, None], cc, 0), axis=0)
     padded = (counts + BLOCK_M - 1) // BLOCK_M * BLOCK_M
     padded_end = tl.cumsum(padded, axis=0)  # experts >= E have 0 pairs: end = total
     padded_start = padded_end - padded
@@ -222,18 +235,14 @@ def moe_align(
     block_m: int,
     zero: torch.Tensor | None = None,
 ) -> MoeAlignment:
-    """topk_ids [T, A] (any int dtype, values in [0, E)) -> MoeAlignment, in one launch
-    (the torch twin above KERNEL_MAX_PAIRS pairs). `zero` (a contiguous float32 tensor,
-    e.g. the combine's accumulator) is zeroed by the same launch."""
+    """topk_ids [T, A] (any int dtype, values in [0, E)) -> MoeAlignment, in one launch, or
+    two (three from PREFIX_MIN_PAIRS pairs) over chunks of pairs. `zero` (a contiguous
+    float32 tensor, e.g. the combine's accumulator) is zeroed by the same launches."""
     assert topk_ids.dim() == 2, f"topk_ids must be [T, A], got {list(topk_ids.shape)}"
     assert zero is None or (zero.dtype == torch.float32 and zero.is_contiguous()), (
         "zero must be a contiguous float32 tensor"
     )
     check_device(topk_ids)
-    if topk_ids.numel() > KERNEL_MAX_PAIRS:
-        if zero is not None:
-            zero.zero_()
-        return moe_align_torch(topk_ids, num_experts, block_m)
     device = topk_ids.device
     flat = topk_ids.reshape(-1)  # [P]
     if not flat.is_contiguous():
@@ -266,12 +275,15 @@ def moe_align(
         flat, chunk_counts, zero_buf, p, n_chunks, n_zero,
         BLOCK_E=block_e, CHUNK=chunk, ZBLOCK=ZERO_BLOCK, num_warps=4,
     )  # fmt: skip
+    prefix = p >= PREFIX_MIN_PAIRS
+    if prefix:
+        chunk_counts = torch.cumsum(chunk_counts, dim=0, dtype=torch.int32)
     tiles = 32
     moe_place_kernel[(n_chunks + triton.cdiv(max_blocks, tiles),)](
         flat, chunk_counts, sorted_pairs, block_expert,
         p, num_experts, n_chunks, max_blocks,
         BLOCK_M=block_m, BLOCK_E=block_e, CHUNK=chunk, ROWS=max(1, min(16, 2048 // block_e)),
-        TILES=tiles, num_warps=4,
+        TILES=tiles, PREFIX=prefix, num_warps=4,
     )  # fmt: skip
     return MoeAlignment(sorted_pairs, block_expert, p, block_m)
 

@@ -65,7 +65,8 @@ def test_moe_align_groups_every_pair_once():
         (70, 8, 256, 64),
         (128, 6, 64, 16),  # batch-128 Moonlight decode
         (333, 5, 40, 32),  # many chunks, E not a power of two
-        (700, 6, 64, 64),  # above KERNEL_MAX_PAIRS: the torch twin
+        (700, 6, 64, 64),  # from PREFIX_MIN_PAIRS: the chunk counts' prefix sums
+        (1500, 8, 256, 16),  # DeepSeek-V3's 256 experts, 12,000 pairs
     ],
 )
 def test_moe_align_kernel_equals_torch_twin_and_zeroes(t, a, e, block_m):
