@@ -440,9 +440,9 @@ def _rope_cache_args(
 
 def mla_prefill_inputs(
     attn: MultiLatentAttention, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
-) -> tuple[torch.Tensor, torch.Tensor]:
+) -> torch.Tensor:
     """MultiLatentAttention.forward's work before the attention itself, for steps that are
-    not plain decode (prefill): (q_nope [T, H, N], roped q_rope [T, H, P]), the new tokens'
+    not plain decode (prefill): q [T, H, N+P] with its rope slice rotated, the new tokens'
     cache entries written. q and kv_a in one GEMM, then one launch for rope, the latent's
     norm and the cache write, where the layer's torch code launches an RMSNorm, ~12 ops of
     rope per tensor and a concatenation and scatter (H200: one prompt's prefill step is
@@ -452,7 +452,7 @@ def mla_prefill_inputs(
     q, kv = _mla_query_and_latent(attn, x)
     n = attn.dims.qk_nope_head_dim
     mla_rope_cache_write_(q[..., n:], *_rope_cache_args(attn, kv, positions, ctx))
-    return q[..., :n], q[..., n:]
+    return q
 
 
 def mla_decode_forward(

@@ -84,8 +84,7 @@ def context_slots(block_table: torch.Tensor, length: int, block_size: int) -> to
 
 
 def attend_expanded_batched(
-    q_nope: torch.Tensor,
-    q_rope: torch.Tensor,
+    q: torch.Tensor,
     q_pos: torch.Tensor,
     cache: torch.Tensor,
     block_tables: torch.Tensor,
@@ -97,20 +96,20 @@ def attend_expanded_batched(
     dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
     """B sequences in the expanded form, queries padded as in attend_absorbed_batched:
-    q_nope [B, Q, H, N], q_rope [B, Q, H, P], q_pos [B, Q], block_tables [B, blocks],
+    q [B, Q, H, N+P] (rope applied), q_pos [B, Q], block_tables [B, blocks],
     context_lens [B] -> out [B, Q, H, V] float32. One batched expansion and one fused
     attention call for the whole group (a prefill of 128 prompts used to take ~12 small
     launches per prompt per layer, and its wall time was the host's). Keys, values and
     the attention are computed in `dtype` (bf16: tensor-core GEMMs and flash attention
     on a GPU, with its float32 softmax)."""
     N, R = dims.qk_nope_head_dim, dims.kv_lora_rank
-    H = q_nope.shape[2]
+    H = q.shape[2]
     lmax = int(context_lens.max()) if max_context is None else max_context
     entries = _context_entries(cache, block_tables, lmax, dtype)  # [B, L, R+P]
     latent, k_rope = entries[..., :R], entries[..., R:]
     kv = torch.einsum("blr,hkr->bhlk", latent, kv_b_weight.to(dtype))  # [B, H, L, N+V]
     k = torch.cat((kv[..., :N], k_rope[:, None].expand(-1, H, -1, -1)), dim=-1)
-    q = torch.cat((q_nope, q_rope), dim=-1).to(dtype).transpose(1, 2)  # [B, H, Q, N+P]
+    q = q.to(dtype).transpose(1, 2)  # [B, H, Q, N+P]
     keys = torch.arange(entries.shape[1], device=cache.device)
     visible = keys[None, None, :] <= q_pos[:, :, None]  # [B, Q, L]; past the end is future
     out = F.scaled_dot_product_attention(q, k, kv[..., N:], attn_mask=visible[:, None], scale=scale)
@@ -118,8 +117,7 @@ def attend_expanded_batched(
 
 
 def attend_absorbed_batched(
-    q_nope: torch.Tensor,
-    q_rope: torch.Tensor,
+    q: torch.Tensor,
     q_pos: torch.Tensor,
     cache: torch.Tensor,
     block_tables: torch.Tensor,
@@ -130,13 +128,13 @@ def attend_absorbed_batched(
     max_context: int | None = None,
 ) -> torch.Tensor:
     """B sequences with up to Q queries each (decode: Q = 1; speculative verify: K + 1),
-    padded and batched. q_nope [B, Q, H, N], q_rope [B, Q, H, P] (any float dtype; the
-    math is float32), q_pos [B, Q] absolute positions (padding rows: any valid position,
+    padded and batched. q [B, Q, H, N+P] with rope applied (any float dtype; the math is
+    float32), q_pos [B, Q] absolute positions (padding rows: any valid position,
     their output is discarded), block_tables [B, blocks], context_lens [B] -> out
     [B, Q, H, V] float32. max_context, the longest of context_lens when the caller knows
     it on the host, saves a device sync."""
     N, R = dims.qk_nope_head_dim, dims.kv_lora_rank
-    q_nope, q_rope = q_nope.float(), q_rope.float()
+    q_nope, q_rope = q[..., :N].float(), q[..., N:].float()
     lmax = int(context_lens.max()) if max_context is None else max_context
     entries = _context_entries(cache, block_tables, lmax)  # [B, L, R+P]
     latent, k_rope = entries[..., :R], entries[..., R:]
@@ -257,30 +255,30 @@ class MultiLatentAttention(nn.Module):
             # GPU backend: q and kv_a in one GEMM, rope + norm + cache write in one launch
             from engine.backends.cuda import mla_prefill_inputs
 
-            q_nope, q_rope = mla_prefill_inputs(self, x, positions, ctx)
+            q = mla_prefill_inputs(self, x, positions, ctx)
         else:
             if d.q_lora_rank:
                 q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
             else:
                 q = self.q_proj(x)
             q = q.view(T, H, N + d.qk_rope_head_dim)
-            q_nope, q_rope = q[..., :N], q[..., N:]
             kv = self.kv_a_proj_with_mqa(x)  # [T, R+P]
             latent = self.kv_a_layernorm(kv[:, :R].contiguous())
-            q_rope, k_rope = self.rotary(positions, q_rope, kv[:, None, R:])
+            q_rope, k_rope = self.rotary(positions, q[..., N:], kv[:, None, R:])
+            q[..., N:] = q_rope  # one q [T, H, N+P] for the attention forms to gather once
             write_latent_cache(self.kv_cache, ctx, latent, k_rope[:, 0])
-        out = self._attend(q_nope, q_rope, positions, ctx)  # [T, H, V] in x's dtype
+        out = self._attend(q, positions, ctx)  # [T, H, V] in x's dtype
         return self.o_proj(out.reshape(T, H * d.v_head_dim))
 
-    def _attend(self, q_nope, q_rope, positions, ctx: AttentionContext) -> torch.Tensor:
-        """Sequences that take the absorbed form run batched (padded to the longest query
-        chunk among them); the rest run in the expanded form, batched in groups of similar
-        context length (expanded_groups)."""
+    def _attend(self, q, positions, ctx: AttentionContext) -> torch.Tensor:
+        """q [T, H, N+P], rope applied. Sequences that take the absorbed form run batched
+        (padded to the longest query chunk among them); the rest run in the expanded form,
+        batched in groups of similar context length (expanded_groups)."""
         d = self.dims
         w = self.kv_b_weight().float()
         # In the model's dtype: the forms compute in float32 (or expanded_dtype) and their
         # rows are rounded once, as they are copied in; q is cast only where a form needs it.
-        out = q_nope.new_empty(q_nope.shape[0], d.num_heads, d.v_head_dim)
+        out = q.new_empty(q.shape[0], d.num_heads, d.v_head_dim)
         q_lens, c_lens = ctx.query_lens_host, ctx.context_lens_host
         starts = [0, *itertools.accumulate(q_lens)]  # the host's copy of cu_query_lens
 
@@ -302,7 +300,7 @@ class MultiLatentAttention(nn.Module):
             real = steps[None, :] < lens[:, None]
             picked = real.flatten().nonzero().squeeze(1)  # the real pairs among the rows
             parts = (torch.tensor(seqs), rows.flatten(), picked, rows[real])
-            on, rows_d, picked_d, dest = _to_device(parts, q_nope.device)
+            on, rows_d, picked_d, dest = _to_device(parts, q.device)
             rows_d = rows_d.view(rows.shape)
             tables, lens_d = ctx.block_tables[on], ctx.context_lens[on].long()
             return rows_d, positions[rows_d], tables, lens_d, picked_d, dest
@@ -315,8 +313,8 @@ class MultiLatentAttention(nn.Module):
             rows_d, pos, tables, lens_d, picked_d, dest = ctx.shared(
                 ("mla-rows", tuple(seqs)), lambda: indices(seqs)
             )
-            o = attend(q_nope[rows_d], q_rope[rows_d], pos, self.kv_cache, tables, lens_d, w, d,
-                       self.scale, max_context=max(c_lens[b] for b in seqs), **options)  # fmt: skip
+            o = attend(q[rows_d], pos, self.kv_cache, tables, lens_d, w, d, self.scale,
+                       max_context=max(c_lens[b] for b in seqs), **options)  # fmt: skip
             out.index_copy_(0, dest, o.flatten(0, 1).index_select(0, picked_d).to(out.dtype))
 
         absorbed = [b for b in range(ctx.num_seqs) if not expanded(b)]

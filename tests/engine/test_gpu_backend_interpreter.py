@@ -162,7 +162,8 @@ def _prefill_inputs_error(model, dtype) -> float:
     write_latent_cache(attn.kv_cache, ctx, latent, k_rope[:, 0])
     want_cache = attn.kv_cache.clone()
     attn.kv_cache.copy_(before)
-    got_nope, got_rope = backend.mla_prefill_inputs(attn, x, positions, ctx)
+    got = backend.mla_prefill_inputs(attn, x, positions, ctx)
+    got_nope, got_rope = got[..., :N], got[..., N:]
     assert not torch.equal(attn.kv_cache, before)  # the new tokens' entries were written
     return max(
         relative_error(got_nope.float(), q[..., :N].float()),

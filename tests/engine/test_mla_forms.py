@@ -51,8 +51,9 @@ def test_expanded_and_absorbed_forms_agree_with_a_per_sequence_reference():
     case = _paged_case(context_lens, query_lens, seed=3)
     q_nope, q_rope, q_pos, cache, tables, lens, w = case
     scale = 0.3
-    expanded = attend_expanded_batched(q_nope, q_rope, q_pos, cache, tables, lens, w, DIMS, scale)
-    absorbed = attend_absorbed_batched(q_nope, q_rope, q_pos, cache, tables, lens, w, DIMS, scale)
+    q = torch.cat((q_nope, q_rope), dim=-1)
+    expanded = attend_expanded_batched(q, q_pos, cache, tables, lens, w, DIMS, scale)
+    absorbed = attend_absorbed_batched(q, q_pos, cache, tables, lens, w, DIMS, scale)
     flat = cache.view(-1, DIMS.cache_width)
     for b, (c, q) in enumerate(zip(context_lens, query_lens)):
         slots = tables[b, torch.arange(c) // BLOCK].long() * BLOCK + torch.arange(c) % BLOCK
@@ -113,8 +114,8 @@ def test_expanded_form_in_bf16_stays_close_to_float32():
     # in bf16 (the cache and the queries are bf16 in such a model), the output float32.
     context_lens, query_lens = [9, 13], [9, 5]
     q_nope, q_rope, q_pos, cache, tables, lens, w = _paged_case(context_lens, query_lens, 4)
-    q_nope, q_rope, cache = q_nope.bfloat16(), q_rope.bfloat16(), cache.bfloat16()
-    args = (q_nope, q_rope, q_pos, cache, tables, lens, w, DIMS, 0.3)
+    q, cache = torch.cat((q_nope, q_rope), dim=-1).bfloat16(), cache.bfloat16()
+    args = (q, q_pos, cache, tables, lens, w, DIMS, 0.3)
     want = attend_expanded_batched(*args)
     got = attend_expanded_batched(*args, dtype=torch.bfloat16)
     assert got.dtype == torch.float32 and got.shape == want.shape
