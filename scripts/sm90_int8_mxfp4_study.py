@@ -126,7 +126,7 @@ def main() -> None:
     n = loop_instructions(_fused_moe_kernels.moe_gate_up_kernel, MMA_GATE_UP, mma)[0]
     print(f"  MMA gate+up, 64 rows x 128: {n} for 64 weights, {n / 64:.2f} per weight")
     for block_n, block_k in ((32, 256), (64, 256), (64, 512)):
-        meta = dict(TOPK=6, BLOCK_N=block_n, BLOCK_K=block_k, ASM=True)
+        meta = dict(TOPK=6, BLOCK_N=block_n, BLOCK_K=block_k, ASM=True, PREFETCH=True)
         for name, fn, sig, rows in (("gate+up", _moe_int8_kernels.moe_gate_up_int8_kernel,
                                      INT8_GATE_UP, 2 * block_n),
                                     ("down", _moe_int8_kernels.moe_down_int8_kernel, INT8_DOWN,

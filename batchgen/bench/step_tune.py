@@ -103,7 +103,7 @@ def _shared_gate_up_tiles(best: dict) -> list[dict]:
 def _int8_prefetch(best: dict) -> list[dict]:
     # Next step's loads before this step's math, or each tile just before its own: the
     # first wins alone, the second won beside the shared expert at batch 1 (H200, 2026-11-29)
-    return [dict(best, PREFETCH=p) for p in (True, False)]
+    return [dict(best, PREFETCH=not best.get("PREFETCH", True))]
 
 
 def _int8_tiles(best: dict) -> list[dict]:
