@@ -71,10 +71,6 @@ class EngineConfig:
     # which a step mixing in a prefill chunk cannot; min_prefill_seqs None: max_num_seqs / 8.
     separate_prefill: bool | None = None
     min_prefill_seqs: int | None = None
-    # CUDA, DeepSeek (MLA) models: in steps of up to 16 tokens each layer's attention warms
-    # L2 with its MoE's router and shared expert, and each MoE with the next attention's
-    # weights, from a side stream (engine/backends/weight_prefetch.py).
-    l2_prefetch: bool = False
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

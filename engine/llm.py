@@ -33,8 +33,7 @@ class LLM:
     `mla_expanded_float32` True computes MLA's prefill attention in float32 on a GPU
     (default: in the model's dtype). `separate_prefill` keeps every step all decode or all
     prefill and admits waiting requests in groups of at least `min_prefill_seqs` (default:
-    on where decode steps replay CUDA graphs, groups of max_num_seqs / 8). `l2_prefetch`
-    warms L2 with each phase's dense weights in small steps on a GPU (DeepSeek models).
+    on where decode steps replay CUDA graphs, groups of max_num_seqs / 8).
     """
 
     def __init__(
@@ -57,7 +56,6 @@ class LLM:
         mla_expanded_float32: bool = False,
         separate_prefill: bool | None = None,
         min_prefill_seqs: int | None = None,
-        l2_prefetch: bool = False,
     ) -> None:
         self.config = EngineConfig(
             model=str(model),
@@ -78,7 +76,6 @@ class LLM:
             mla_expanded_float32=mla_expanded_float32,
             separate_prefill=separate_prefill,
             min_prefill_seqs=min_prefill_seqs,
-            l2_prefetch=l2_prefetch,
         )
         self.engine = LLMEngine(self.config)
         self.model_name = str(model)

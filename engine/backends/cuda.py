@@ -172,9 +172,6 @@ def moe_forward(moe: DeepseekMoE, x: torch.Tensor) -> torch.Tensor:
 
     gate = moe.gate
     x = x.contiguous()
-    prefetch = getattr(moe, "cuda_prefetch", None)  # the next layer's attention into L2
-    if prefetch is not None:
-        prefetch.start(x.shape[0])
     # At decode sizes the fused kernels add the shared expert into the routed experts'
     # accumulator (two launches instead of gate, up, silu, mul, down and the add). Larger
     # T is arithmetic, where cuBLAS's tiles beat the fused kernel's narrow DENSE ones.
@@ -472,9 +469,6 @@ def mla_decode_forward(
     state: MlaCudaState = attn.cuda_state
     d = attn.dims
     T, H, N, P, R = x.shape[0], d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.kv_lora_rank
-    prefetch = getattr(attn, "cuda_prefetch", None)  # this layer's MoE weights into L2
-    if prefetch is not None:
-        prefetch.start(T)
     q, kv = _mla_query_and_latent(attn, x)
     cache = attn.kv_cache
     # One launch: rope on q's rope slices (in place), and the entry [norm(c) | rope(k_rot)]
@@ -532,15 +526,12 @@ def prepare_model(
     fp8_native_min_tokens: int | None = None,
     shared_expert_stream: bool = True,
     mla_expanded_float32: bool = False,
-    l2_prefetch: bool = False,
 ) -> None:
     """Once after loading, on CUDA: stacked expert views, MLA decode state, the token
     count from which dense FP8 linears multiply in FP8 (EngineConfig.fp8_native_min_tokens;
     only where the GPU has FP8 tensor cores), the stream the fused MoE layers run their
     shared expert on (EngineConfig.shared_expert_stream; one for the whole model), and
-    the dtype of MLA's expanded form (EngineConfig.mla_expanded_float32), and the L2
-    prefetch of each phase's dense weights in small steps (EngineConfig.l2_prefetch;
-    weight_prefetch.py)."""
+    the dtype of MLA's expanded form (EngineConfig.mla_expanded_float32)."""
     native = fp8_native_min_tokens if _has_fp8_tensor_cores() else None
     if fp8_native_min_tokens is not None and native is None:
         log.info("no FP8 tensor cores: dense FP8 linears decode their weights to bf16 always")
@@ -561,12 +552,6 @@ def prepare_model(
             module.expanded_dtype = torch.float32 if mla_expanded_float32 else dtype
     if fused:
         log.info("CUDA backend: %d MoE layers on the fused kernel", fused)
-    layers = getattr(getattr(model, "model", None), "layers", None)
-    if l2_prefetch and device.type == "cuda" and layers is not None:
-        from engine.backends.weight_prefetch import attach_prefetches
-
-        if attach_prefetches(layers, device) is not None:
-            log.info("CUDA backend: L2 prefetch of each phase's dense weights in small steps")
 
 
 def _has_fp8_tensor_cores() -> bool:

@@ -69,26 +69,6 @@ def test_greedy_tokens_equal_the_cpu_path_in_float32(tiny_checkpoint):
     torch.cuda.empty_cache()
 
 
-def test_l2_prefetch_keeps_the_greedy_tokens(tiny_checkpoint):
-    # The prefetches change no value; what this guards is the side stream's discipline:
-    # a fork left unjoined at the end of a forward would fail the decode graphs' capture.
-    from engine.llm import LLM
-
-    prompts = _prompts(4, 258, seed=3)
-    params = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
-    cpu = LLM(str(tiny_checkpoint), device="cpu", dtype="float32", kv_cache_memory=32 << 20)
-    want = _tokens(cpu.generate(prompts, params))
-    gpu = LLM(str(tiny_checkpoint), device="cuda", dtype="float32", max_num_seqs=8,
-              l2_prefetch=True)  # fmt: skip
-    layers = gpu.engine.runner.model.model.layers
-    plans = [layer.self_attn.cuda_prefetch.plan for layer in layers]
-    assert any(p is not None and p.nbytes > 0 for p in plans)
-    assert gpu.engine.runner.graphs is not None
-    assert _tokens(gpu.generate(prompts, params)) == want
-    del gpu
-    torch.cuda.empty_cache()
-
-
 def test_seeded_sampling_repeats_on_graphs(tiny_checkpoint):
     from engine.llm import LLM
 
