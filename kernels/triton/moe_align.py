@@ -147,7 +147,7 @@ def align_pairs(
 @triton.jit
 def moe_count_kernel(
     ids_ptr,  # [P] expert of each pair
-    chunk_counts_ptr,  # [n_chunks, BLOCK_E] int32 out: pairs per expert in each chunk
+    chunk_counts_ptr,  # [BLOCK_E, n_chunks] int32 out: pairs per expert in each chunk
     zero_ptr,  # [n_zero] float32 out, zeroed by programs n_chunks..
     P,
     n_chunks,
@@ -164,13 +164,13 @@ def moe_count_kernel(
     offs_p = pid * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(ids_ptr + offs_p, mask=offs_p < P, other=-1).to(tl.int32)
     counts = tl.sum((ids[:, None] == offs_e[None, :]).to(tl.int32), axis=0)
-    tl.store(chunk_counts_ptr + pid * BLOCK_E + offs_e, counts)
+    tl.store(chunk_counts_ptr + offs_e * n_chunks + pid, counts)
 
 
 @triton.jit
 def moe_place_kernel(
     ids_ptr,  # [P]
-    chunk_counts_ptr,  # [n_chunks, BLOCK_E] int32 from moe_count_kernel
+    chunk_counts_ptr,  # [BLOCK_E, n_chunks] int32 from moe_count_kernel
     sorted_ptr,  # [max_blocks * BLOCK_M] int32 out
     block_expert_ptr,  # [max_blocks] int32 out
     P,
@@ -189,17 +189,17 @@ def moe_place_kernel(
     # Every program needs the padded starts; a chunk's program also the pairs of each
     # expert in the chunks before it.
     if PREFIX:
-        row = chunk_counts_ptr + offs_e
-        counts = tl.load(row + (n_chunks - 1) * BLOCK_E)
+        row = chunk_counts_ptr + offs_e * n_chunks
+        counts = tl.load(row + n_chunks - 1)
         prev = tl.minimum(tl.maximum(pid - 1, 0), n_chunks - 1)  # in bounds for every pid
-        before_chunk = tl.load(row + prev * BLOCK_E)
+        before_chunk = tl.load(row + prev)
         before_chunk = tl.where((pid > 0) & (pid < n_chunks), before_chunk, 0)
     else:
         counts = tl.zeros((BLOCK_E,), tl.int32)
         before_chunk = tl.zeros((BLOCK_E,), tl.int32)
         for r0 in range(0, n_chunks, ROWS):
             rows = r0 + tl.arange(0, ROWS)
-            cc = tl.load(chunk_counts_ptr + rows[:, None] * BLOCK_E + offs_e[None, :],
+            cc = tl.load(chunk_counts_ptr + rows[:, None] + offs_e[None, :] * n_chunks,
                          mask=(rows < n_chunks)[:, None], other=0)  # fmt: skip
             counts += tl.sum(cc, axis=0)
             before_chunk += tl.sum(tl.where((rows < pid)[:, None], cc, 0), axis=0)
@@ -270,14 +270,17 @@ def moe_align(
         return MoeAlignment(sorted_pairs, block_expert, p, block_m)
     chunk = max(16, min(128, 4096 // block_e))  # smaller chunks: more programs in parallel
     n_chunks = triton.cdiv(p, chunk)
-    chunk_counts = torch.empty(n_chunks, block_e, dtype=torch.int32, device=device)
+    # Expert-major, so the prefix sum runs along contiguous memory: torch's scan over the
+    # outer dimension of [chunks, experts] is one serial thread per expert (H200: 550 us
+    # per layer at a 16K-token prefill, 14.8 ms of its step).
+    chunk_counts = torch.empty(block_e, n_chunks, dtype=torch.int32, device=device)
     moe_count_kernel[(n_chunks + zero_programs,)](
         flat, chunk_counts, zero_buf, p, n_chunks, n_zero,
         BLOCK_E=block_e, CHUNK=chunk, ZBLOCK=ZERO_BLOCK, num_warps=4,
     )  # fmt: skip
     prefix = p >= PREFIX_MIN_PAIRS
     if prefix:
-        chunk_counts = torch.cumsum(chunk_counts, dim=0, dtype=torch.int32)
+        chunk_counts = torch.cumsum(chunk_counts, dim=1, dtype=torch.int32)
     tiles = 32
     moe_place_kernel[(n_chunks + triton.cdiv(max_blocks, tiles),)](
         flat, chunk_counts, sorted_pairs, block_expert,
