@@ -68,7 +68,7 @@ class EngineConfig:
     mla_expanded_float32: bool = False
     # Steps all decode or all prefill, waiting sequences admitted in groups of at least
     # min_prefill_seqs (engine/scheduler.py). None: on where decode steps replay CUDA graphs,
-    # which a step mixing in a prefill chunk cannot; min_prefill_seqs None: max_num_seqs / 8.
+    # which a step mixing in a prefill chunk cannot; min_prefill_seqs None: max_num_seqs / 2.
     separate_prefill: bool | None = None
     min_prefill_seqs: int | None = None
 

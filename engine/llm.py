@@ -33,7 +33,7 @@ class LLM:
     `mla_expanded_float32` True computes MLA's prefill attention in float32 on a GPU
     (default: in the model's dtype). `separate_prefill` keeps every step all decode or all
     prefill and admits waiting requests in groups of at least `min_prefill_seqs` (default:
-    on where decode steps replay CUDA graphs, groups of max_num_seqs / 8).
+    on where decode steps replay CUDA graphs, groups of max_num_seqs / 2).
     """
 
     def __init__(

@@ -36,5 +36,6 @@ def test_varied_lengths_run_counts_each_kind_of_step(tiny_model_dir):
         vocab = int(llm.engine.runner.model.config.vocab_size)
         r = run_varied_lengths(llm, batch=2, prompt_len=5, new_tokens=4, vocab=vocab)
         assert r["requests"] == 8 and r["e2e_tok_s"] > 0 and not llm.engine.has_unfinished()
+        assert r["first_run_e2e_tok_s"] > 0  # the same workload, run first (compiles in it)
         assert r["steps"]["decode"] > 0 and r["steps"]["prefill or mixed"] > 0
         assert llm.engine.scheduler.schedule.__name__ == "schedule"  # the wrapper is gone

@@ -91,8 +91,8 @@ def test_min_prefill_seqs_must_be_positive():
         EngineConfig(model="x", min_prefill_seqs=0)
 
 
-def test_off_without_decode_graphs_and_groups_of_an_eighth(tiny_llama):
+def test_off_without_decode_graphs_and_groups_of_half_the_slots(tiny_llama):
     llm = LLM(str(tiny_llama), dtype="float32", max_num_seqs=64)
     assert llm.engine.runner.graphs is None  # the CPU: every step is eager anyway
     assert not llm.engine.scheduler.separate_prefill
-    assert llm.engine.scheduler.min_prefill_seqs == 8
+    assert llm.engine.scheduler.min_prefill_seqs == 32
