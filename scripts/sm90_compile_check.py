@@ -137,6 +137,14 @@ def main() -> None:
         compile_report(f"fp8_gemv {bn} x {bk} split={split} warps={warps}",
                        _fp8_linear_kernels.fp8_gemv_kernel, gemv_ptrs, meta, warps, 1,
                        frozenset({"K", "stride_xm", "stride_wn"}))  # fmt: skip
+    # the shared expert on the GEMV path: gate+up (bf16 out), down (SwiGLU in, float32 added)
+    for label, swiglu, acc, y in (("shared gate+up", False, False, "*bf16"),
+                                  ("shared down", True, True, "*fp32")):  # fmt: skip
+        meta = dict(SCALE_E8M0=False, M_PAD=1, BLOCK_N=16, BLOCK_K=256, VEC=16, SPLIT_K=4,
+                    BIT_DECODE=False, SWIGLU=swiglu, ACCUMULATE=acc)  # fmt: skip
+        compile_report(f"fp8_gemv {label}", _fp8_linear_kernels.fp8_gemv_kernel,
+                       dict(gemv_ptrs, y_ptr=y), meta, 4, 1,
+                       frozenset({"K", "stride_xm", "stride_wn"}))  # fmt: skip
     # MXFP4 experts decoded to bf16 once (the fused MoE's "dequant" configs, prefill sizes)
     compile_report("mxfp4_dequant", mxfp4_dequant.mxfp4_dequant_kernel,
                    dict(codes_ptr="*u8", scales_ptr="*u8", out_ptr="*bf16"),

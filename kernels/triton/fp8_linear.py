@@ -19,6 +19,10 @@ partials are summed by one small launch.
 
 The config (tuned table, else `default_config`) picks the kernel: "KERNEL": "gemv" or
 "dot" (tables written before the GEMV existed have no key and mean "dot").
+
+`fp8_gemv` is the GEMV on its own, with two more forms for a SwiGLU MLP at decode sizes
+(the fused MoE's shared expert): its input may be a [gate | up] row taken as
+SiLU(gate) * up, and its product may be added into a float32 accumulator.
 """
 
 from __future__ import annotations
@@ -164,15 +168,14 @@ def fp8_block_linear(
     if x2.stride(-1) != 1:
         x2 = x2.contiguous()
     m = x2.shape[0]
-    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
     if m == 0:
-        return y.reshape(*lead, n)
+        return x.new_empty((*lead, n))
     cfg = dict(config) if config is not None else choose_config(m, n, k, x.device, native_fp8)
     if cfg.get("KERNEL", "dot") == "gemv":
         assert not native_fp8, "the GEMV kernel multiplies in float32: no native FP8 path"
-        _launch_gemv(x2, weight, scale, y, cfg)
-        return y.reshape(*lead, n)
+        return fp8_gemv(x2, weight, scale, cfg).reshape(*lead, n)
     assert 128 % cfg["BLOCK_K"] == 0, f"BLOCK_K must divide 128, got {cfg['BLOCK_K']}"
+    y = torch.empty((m, n), dtype=x.dtype, device=x.device)
 
     if native_fp8:
         xin, xs = act_quant(x2)
@@ -200,36 +203,62 @@ def fp8_block_linear(
     return y.reshape(*lead, n)
 
 
-def _launch_gemv(
-    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, y: torch.Tensor, cfg: dict
-) -> None:
-    """y [M, N] = x [M, K] @ dequant(weight)^T through fp8_gemv_kernel (M <= GEMV_MAX_M)."""
-    m, k = x.shape
-    n = weight.shape[0]
+def fp8_gemv(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    config: dict,
+    out: torch.Tensor | None = None,
+    swiglu: bool = False,
+    lane: str = "main",
+) -> torch.Tensor:
+    """out [M, N] = act(x) @ dequant(weight)^T through fp8_gemv_kernel (M <= GEMV_MAX_M),
+    act(x) = x [M, K], or with `swiglu` SiLU(x[:, :K]) * x[:, K:] of x [M, 2K]. `out`
+    None: a new tensor in x's dtype; else a float32 [M, N] the product is added into
+    (atomics). `config`: a GEMV config (default_gemv_config's keys). `lane`: the arrival
+    counters' lane (_arrival_counters), for launches that may run beside the main
+    stream's."""
+    m, kx = x.shape
+    n, k = weight.shape
+    assert x.stride(-1) == 1 and weight.stride(-1) == 1, "x and weight must be row-major"
+    assert kx == (2 * k if swiglu else k), (
+        f"x has {kx} columns; weight [N={n}, K={k}] wants {2 * k if swiglu else k}"
+        + (" (gate | up)" if swiglu else "")
+    )
     assert m <= GEMV_MAX_M, f"the GEMV kernel takes M <= {GEMV_MAX_M}, got {m}"
-    block_n, block_k, vec = cfg["BLOCK_N"], cfg["BLOCK_K"], cfg.get("VEC", 16)
+    accumulate = out is not None
+    if accumulate:
+        assert out.dtype == torch.float32 and out.shape == (m, n) and out.stride(-1) == 1, (
+            f"out must be a row-major float32 [{m}, {n}], got {out.dtype} {list(out.shape)}"
+        )
+    else:
+        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+    block_n, block_k, vec = config["BLOCK_N"], config["BLOCK_K"], config.get("VEC", 16)
     assert 128 % vec == 0 and block_k % vec == 0, (
         f"VEC must divide 128 and BLOCK_K, got VEC={vec}, BLOCK_K={block_k}"
     )
     n_tiles = triton.cdiv(n, block_n)
     k_steps = triton.cdiv(k, block_k)
     # Splits take cdiv(k_steps, SPLIT_K) steps each; drop the ones that would get none.
-    split = triton.cdiv(k_steps, triton.cdiv(k_steps, max(1, min(cfg["SPLIT_K"], k_steps))))
-    if split > 1:
+    split = triton.cdiv(k_steps, triton.cdiv(k_steps, max(1, min(config["SPLIT_K"], k_steps))))
+    if split > 1 and not accumulate:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counts = arrival_counters(x.device, n_tiles)
+        counts = arrival_counters(x.device, n_tiles, lane)
     else:
-        part = counts = y  # unused when SPLIT_K == 1
-    bit_decode = bool(cfg.get("BIT_DECODE", False))
+        part = counts = out  # unused: one split, or every split adds into out
+    bit_decode = bool(config.get("BIT_DECODE", False))
     codes = weight.view(torch.int8) if bit_decode else weight
     fp8_gemv_kernel[(n_tiles, split)](
-        x, codes, scale, y, part, counts,
+        x, codes, scale, out, part, counts,
         m, n, k,
-        x.stride(0), weight.stride(0), scale.stride(0), y.stride(0),
+        x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
         SCALE_E8M0=scale.dtype == torch.uint8,
         M_PAD=next_pow2(m),
         BLOCK_N=block_n, BLOCK_K=block_k, VEC=vec,
         SPLIT_K=split,
         BIT_DECODE=bit_decode,
-        num_warps=cfg.get("num_warps", 4),
+        SWIGLU=swiglu,
+        ACCUMULATE=accumulate,
+        num_warps=config.get("num_warps", 4),
     )  # fmt: skip
+    return out
