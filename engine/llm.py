@@ -34,6 +34,8 @@ class LLM:
     (default: in the model's dtype). `separate_prefill` keeps every step all decode or all
     prefill and admits waiting requests in groups of at least `min_prefill_seqs` (default:
     on where decode steps replay CUDA graphs, groups of max_num_seqs / 2).
+    `fold_input_norm` computes a DeepSeek layer's input RMSNorm inside its FP8 q/kv_a GEMV
+    in small decode steps on a GPU (default off).
     """
 
     def __init__(
@@ -56,6 +58,7 @@ class LLM:
         mla_expanded_float32: bool = False,
         separate_prefill: bool | None = None,
         min_prefill_seqs: int | None = None,
+        fold_input_norm: bool = False,
     ) -> None:
         self.config = EngineConfig(
             model=str(model),
@@ -76,6 +79,7 @@ class LLM:
             mla_expanded_float32=mla_expanded_float32,
             separate_prefill=separate_prefill,
             min_prefill_seqs=min_prefill_seqs,
+            fold_input_norm=fold_input_norm,
         )
         self.engine = LLMEngine(self.config)
         self.model_name = str(model)

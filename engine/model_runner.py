@@ -46,7 +46,7 @@ class ModelRunner:
 
             prepare_model(self.model, self.dtype, self.max_model_len,
                           config.fp8_native_min_tokens, config.shared_expert_stream,
-                          config.mla_expanded_float32)  # fmt: skip
+                          config.mla_expanded_float32, config.fold_input_norm)  # fmt: skip
         self.num_blocks = self._allocate_kv_cache()
         if self.device.type == "cuda" and not config.record_routing and self.speculator is None:
             # Decode steps replay CUDA graphs (engine/cuda_graph_runner.py); takes one block.

@@ -86,6 +86,11 @@ MLA_DIVISIBLE = frozenset({"stride_qcb", "stride_qch", "stride_qrb", "stride_qrh
                            "stride_os"})  # fmt: skip
 
 
+# fp8_gemv_kernel's optional forms, off (a constexpr left out here would compile as a
+# runtime argument, both branches kept)
+GEMV_PLAIN = dict(SWIGLU=False, ACCUMULATE=False, PRENORM=False, NORM_BLOCK=128)
+
+
 def main() -> None:
     print(f"triton {triton.__version__}, sm_90")
     # MLA decode at batch 1 (4 and 16 splits) and batch 256 (one split)
@@ -129,11 +134,12 @@ def main() -> None:
 
     # The FP8 GEMV at one token: the table's tile, and the tuner's whole-K single-step tiles
     gemv_ptrs = dict(x_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", y_ptr="*bf16",
-                     part_ptr="*fp32", count_ptr="*i32")  # fmt: skip
+                     part_ptr="*fp32", count_ptr="*i32", res_ptr="*bf16", norm_w_ptr="*bf16",
+                     res_out_ptr="*bf16")  # fmt: skip
     for bn, bk, split, warps in ((16, 256, 4, 4), (8, 2048, 1, 4), (16, 1024, 1, 4),
                                  (16, 1024, 1, 8)):  # fmt: skip
         meta = dict(SCALE_E8M0=False, M_PAD=1, BLOCK_N=bn, BLOCK_K=bk, VEC=16, SPLIT_K=split,
-                    BIT_DECODE=False)  # fmt: skip
+                    BIT_DECODE=False, **GEMV_PLAIN)  # fmt: skip
         compile_report(f"fp8_gemv {bn} x {bk} split={split} warps={warps}",
                        _fp8_linear_kernels.fp8_gemv_kernel, gemv_ptrs, meta, warps, 1,
                        frozenset({"K", "stride_xm", "stride_wn"}))  # fmt: skip
@@ -141,10 +147,18 @@ def main() -> None:
     for label, swiglu, acc, y in (("shared gate+up", False, False, "*bf16"),
                                   ("shared down", True, True, "*fp32")):  # fmt: skip
         meta = dict(SCALE_E8M0=False, M_PAD=1, BLOCK_N=16, BLOCK_K=256, VEC=16, SPLIT_K=4,
-                    BIT_DECODE=False, SWIGLU=swiglu, ACCUMULATE=acc)  # fmt: skip
+                    BIT_DECODE=False, **dict(GEMV_PLAIN, SWIGLU=swiglu, ACCUMULATE=acc))  # fmt: skip
         compile_report(f"fp8_gemv {label}", _fp8_linear_kernels.fp8_gemv_kernel,
                        dict(gemv_ptrs, y_ptr=y), meta, 4, 1,
                        frozenset({"K", "stride_xm", "stride_wn"}))  # fmt: skip
+    # q/kv_a with the input RMSNorm inside (x: the MoE's float32 accumulator), 1 and 8 rows
+    for m_pad in (1, 8):
+        meta = dict(SCALE_E8M0=False, M_PAD=m_pad, BLOCK_N=16, BLOCK_K=256, VEC=16,
+                    SPLIT_K=4, BIT_DECODE=False,
+                    **dict(GEMV_PLAIN, PRENORM=True, NORM_BLOCK=max(128, 2048 // m_pad)))  # fmt: skip
+        compile_report(f"fp8_gemv + rmsnorm, {m_pad} rows", _fp8_linear_kernels.fp8_gemv_kernel,
+                       dict(gemv_ptrs, x_ptr="*fp32"), meta, 4, 1,
+                       frozenset({"K", "stride_xm", "stride_wn", "stride_res"}))  # fmt: skip
     # MXFP4 experts decoded to bf16 once (the fused MoE's "dequant" configs, prefill sizes)
     compile_report("mxfp4_dequant", mxfp4_dequant.mxfp4_dequant_kernel,
                    dict(codes_ptr="*u8", scales_ptr="*u8", out_ptr="*bf16"),

@@ -757,12 +757,15 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--min-prefill-seqs", type=int, default=None,
               help="With separate prefill: requests admitted per prefill step at least "
                    "(default: the engine's, max_num_seqs / 2).")  # fmt: skip
+@click.option("--fold-input-norm/--no-fold-input-norm", default=False, show_default=True,
+              help="DeepSeek layers' input RMSNorm inside the FP8 q/kv_a GEMV (1-8 tokens).")  # fmt: skip
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="Our engine's requests: 0 is greedy (transformers stays greedy).")  # fmt: skip
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens, workdir, name,
             fp8_native_min_tokens, shared_expert_stream, mla_expanded_float32,
-            main_stream_first, separate_prefill, min_prefill_seqs, temperature, top_p):  # fmt: skip
+            main_stream_first, separate_prefill, min_prefill_seqs, fold_input_norm, temperature,
+            top_p):  # fmt: skip
     """Decode tok/s of a DeepSeek-V3-family MoE on the GPU vs transformers and the roofline."""
     chosen = tuple(w.strip() for w in weights.split(",") if w.strip())
     unknown = [w for w in chosen if w not in WEIGHTS]
@@ -773,7 +776,8 @@ def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens
                           mla_expanded_float32=mla_expanded_float32,
                           main_stream_first=main_stream_first,
                           separate_prefill=separate_prefill,
-                          min_prefill_seqs=min_prefill_seqs)  # fmt: skip
+                          min_prefill_seqs=min_prefill_seqs,
+                          fold_input_norm=fold_input_norm)  # fmt: skip
     run(preset, layers, chosen, _ints(batches), _ints(hf_batches), prompt_len, new_tokens,
         workdir, name, engine_options,
         {"temperature": temperature, "top_p": top_p, "seed": 0} if temperature > 0 else None)  # fmt: skip

@@ -350,6 +350,9 @@ class MlaCudaState:
     # same x, so a decode step launches one GEMV (and one activation quantization) for
     # both. None where stack_linears cannot stack them.
     q_kv_a: Linear | None = None
+    # EngineConfig.fold_input_norm: decode steps whose q/kv_a runs the FP8 GEMV take the
+    # layer's input RMSNorm inside it (mla_decode_with_input_norm).
+    fold_input_norm: bool = False
 
 
 def prepare_mla(
@@ -416,15 +419,25 @@ def _mla_query_and_latent(
     they are stacked."""
     state: MlaCudaState = attn.cuda_state
     d = attn.dims
-    q_in = attn.q_a_proj if d.q_lora_rank else attn.q_proj
     if state.q_kv_a is not None:
-        both = state.q_kv_a(x)  # [T, q_in's rows + R + P]
-        q, kv = both[:, : q_in.out_features], both[:, q_in.out_features :]
-    else:
-        q, kv = q_in(x), attn.kv_a_proj_with_mqa(x)  # kv [T, R+P]
+        return _split_query_latent(attn, state.q_kv_a(x))
+    q_in = attn.q_a_proj if d.q_lora_rank else attn.q_proj
+    q, kv = q_in(x), attn.kv_a_proj_with_mqa(x)  # kv [T, R+P]
     if d.q_lora_rank:
         q = attn.q_b_proj(attn.q_a_layernorm(q))
     return q.view(x.shape[0], d.num_heads, d.qk_nope_head_dim + d.qk_rope_head_dim), kv
+
+
+def _split_query_latent(
+    attn: MultiLatentAttention, both: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The stacked q/kv_a output [T, q rows + R + P] -> q [T, H, N+P], kv [T, R+P]."""
+    d = attn.dims
+    q_in = attn.q_a_proj if d.q_lora_rank else attn.q_proj
+    q, kv = both[:, : q_in.out_features], both[:, q_in.out_features :]
+    if d.q_lora_rank:
+        q = attn.q_b_proj(attn.q_a_layernorm(q))
+    return q.view(both.shape[0], d.num_heads, d.qk_nope_head_dim + d.qk_rope_head_dim), kv
 
 
 def _rope_cache_args(
@@ -459,6 +472,77 @@ def mla_decode_forward(
     attn: MultiLatentAttention, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
 ) -> torch.Tensor:
     """MultiLatentAttention.forward for a step where every sequence has one new token."""
+    q, kv = _mla_query_and_latent(attn, x)
+    return _mla_decode_attend(attn, q, kv, positions, ctx, x.dtype)
+
+
+def input_norm_fold_config(
+    attn: MultiLatentAttention, x: torch.Tensor, residual: torch.Tensor, ctx: AttentionContext
+) -> dict | None:
+    """The q/kv_a GEMV config a decode step takes its input RMSNorm into
+    (mla_decode_with_input_norm), or None where that does not apply: the fold is off, the
+    step is not an absorbed decode, q/kv_a is not one stacked FP8 linear, or its config for
+    this many rows is not the GEMV (which alone takes a float32 x and the norm)."""
+    from kernels.triton.fp8_linear import GEMV_MAX_M, choose_config
+
+    state = getattr(attn, "cuda_state", None)
+    if state is None or not state.fold_input_norm or state.q_kv_a is None:
+        return None
+    linear = state.q_kv_a
+    rows = x.shape[0]
+    if (
+        not ctx.is_decode
+        or attn.mode not in ("auto", "absorbed")
+        or attn.kv_cache is None
+        or not isinstance(linear.format, Fp8BlockFormat)
+        or rows > GEMV_MAX_M
+        or residual.dtype not in KERNEL_DTYPES
+        or x.dtype not in (torch.float32, residual.dtype)
+    ):
+        return None
+    native_min = getattr(linear, "cuda_native_min_tokens", None)
+    native = native_min is not None and rows >= native_min
+    n, k = linear.weight.shape
+    cfg = choose_config(rows, n, k, x.device, native)
+    return cfg if cfg.get("KERNEL") == "gemv" and not native else None
+
+
+def mla_decode_with_input_norm(
+    attn: MultiLatentAttention,
+    norm: torch.nn.Module,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    positions: torch.Tensor,
+    ctx: AttentionContext,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """norm(x, residual) then the attention, with the RMSNorm inside the q/kv_a GEMV (one
+    launch fewer per layer; EngineConfig.fold_input_norm): (attention output, x +
+    residual), as the decoder layer's two calls give, or None where the fold does not apply
+    (input_norm_fold_config)."""
+    from kernels.triton.fp8_linear import fp8_gemv_rmsnorm
+
+    cfg = input_norm_fold_config(attn, x, residual, ctx)
+    if cfg is None:
+        return None
+    linear = attn.cuda_state.q_kv_a
+    scale = getattr(linear, linear.format.scale_name)
+    both, residual = fp8_gemv_rmsnorm(
+        x.contiguous(), residual.contiguous(), norm.weight, norm.eps, linear.weight, scale, cfg
+    )
+    q, kv = _split_query_latent(attn, both)
+    return _mla_decode_attend(attn, q, kv, positions, ctx, residual.dtype), residual
+
+
+def _mla_decode_attend(
+    attn: MultiLatentAttention,
+    q: torch.Tensor,
+    kv: torch.Tensor,
+    positions: torch.Tensor,
+    ctx: AttentionContext,
+    dtype: torch.dtype,
+) -> torch.Tensor:
+    """The decode step after q/kv_a: rope and the cache write, the absorbed attention,
+    W_UV and o_proj; the output in `dtype` (the layer input's)."""
     from kernels.triton.mla_cache import (
         ABSORB_MAX_TOKENS,
         mla_decode_prologue_,
@@ -468,8 +552,7 @@ def mla_decode_forward(
 
     state: MlaCudaState = attn.cuda_state
     d = attn.dims
-    T, H, N, P, R = x.shape[0], d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.kv_lora_rank
-    q, kv = _mla_query_and_latent(attn, x)
+    T, H, N, P, R = q.shape[0], d.num_heads, d.qk_nope_head_dim, d.qk_rope_head_dim, d.kv_lora_rank
     cache = attn.kv_cache
     # One launch: rope on q's rope slices (in place), and the entry [norm(c) | rope(k_rot)]
     # written into the token's cache slot; at decode batch sizes also the absorption of
@@ -483,7 +566,7 @@ def mla_decode_forward(
         q_c = q_c.transpose(0, 1).to(cache.dtype)  # [T, H, R]
     q_rope = q[..., N:].to(cache.dtype)  # [T, H, P]
     if cache.dtype in KERNEL_DTYPES and min(R, P) >= MIN_DOT_K:
-        splits = choose_num_splits(T, ctx.max_context_len, H, x.device)
+        splits = choose_num_splits(T, ctx.max_context_len, H, q.device)
         o_lat = mla_decode(
             q_c, q_rope, cache, ctx.block_tables, ctx.context_lens, attn.scale, splits
         )  # [T, H, R]
@@ -491,9 +574,9 @@ def mla_decode_forward(
         o_lat = absorbed_decode_torch(q_c, q_rope, cache, ctx, attn.scale)
     # The value half written straight in [T, H, V] order (cuBLAS takes the strided output),
     # so no transpose copy before o_proj.
-    out = torch.empty((T, H, d.v_head_dim), dtype=o_lat.dtype, device=x.device)
+    out = torch.empty((T, H, d.v_head_dim), dtype=o_lat.dtype, device=q.device)
     torch.bmm(o_lat.transpose(0, 1), state.w_uv_t.to(o_lat.dtype), out=out.transpose(0, 1))
-    return attn.o_proj(out.view(T, H * d.v_head_dim).to(x.dtype))
+    return attn.o_proj(out.view(T, H * d.v_head_dim).to(dtype))
 
 
 def absorbed_decode_torch(
@@ -526,12 +609,15 @@ def prepare_model(
     fp8_native_min_tokens: int | None = None,
     shared_expert_stream: bool = True,
     mla_expanded_float32: bool = False,
+    fold_input_norm: bool = False,
 ) -> None:
     """Once after loading, on CUDA: stacked expert views, MLA decode state, the token
     count from which dense FP8 linears multiply in FP8 (EngineConfig.fp8_native_min_tokens;
     only where the GPU has FP8 tensor cores), the stream the fused MoE layers run their
     shared expert on (EngineConfig.shared_expert_stream; one for the whole model), and
-    the dtype of MLA's expanded form (EngineConfig.mla_expanded_float32)."""
+    the dtype of MLA's expanded form (EngineConfig.mla_expanded_float32), and whether
+    decode steps fold each layer's input RMSNorm into its q/kv_a GEMV
+    (EngineConfig.fold_input_norm)."""
     native = fp8_native_min_tokens if _has_fp8_tensor_cores() else None
     if fp8_native_min_tokens is not None and native is None:
         log.info("no FP8 tensor cores: dense FP8 linears decode their weights to bf16 always")
@@ -549,6 +635,7 @@ def prepare_model(
             module.cuda_shared_stream = side
         elif isinstance(module, MultiLatentAttention):
             module.cuda_state = prepare_mla(module, dtype, max_model_len, native)
+            module.cuda_state.fold_input_norm = fold_input_norm
             module.expanded_dtype = torch.float32 if mla_expanded_float32 else dtype
     if fused:
         log.info("CUDA backend: %d MoE layers on the fused kernel", fused)

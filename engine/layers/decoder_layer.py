@@ -11,10 +11,15 @@ class PreNormDecoderLayer(nn.Module):
     """Subclasses set input_layernorm, self_attn, post_attention_layernorm and mlp."""
 
     def forward(self, x, residual, positions, ctx):
+        x, residual = self.attend(x, residual, positions, ctx)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+    def attend(self, x, residual, positions, ctx):
+        """(attn(norm(x + residual)), x + residual); a family may form both in fewer
+        launches on some backend."""
         if residual is None:
             residual, x = x, self.input_layernorm(x)
         else:
             x, residual = self.input_layernorm(x, residual)
-        x = self.self_attn(x, positions, ctx)
-        x, residual = self.post_attention_layernorm(x, residual)
-        return self.mlp(x), residual
+        return self.self_attn(x, positions, ctx), residual

@@ -195,6 +195,19 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
         else:
             self.mlp = SwiGluMlp(cfg.hidden_size, cfg.intermediate_size, quant, f"{prefix}.mlp")
 
+    def attend(self, x, residual, positions, ctx):
+        if residual is not None and x.is_cuda:
+            # GPU backend: the input RMSNorm inside the q/kv_a GEMV where it applies
+            # (EngineConfig.fold_input_norm; engine/backends/cuda.py)
+            from engine.backends.cuda import mla_decode_with_input_norm
+
+            folded = mla_decode_with_input_norm(
+                self.self_attn, self.input_layernorm, x, residual, positions, ctx
+            )
+            if folded is not None:
+                return folded
+        return super().attend(x, residual, positions, ctx)
+
 
 class MtpLayer(nn.Module):
     """One multi-token-prediction module: h' = Block(eh_proj([enorm(emb(t_{i+1})) | hnorm(h_i)]))

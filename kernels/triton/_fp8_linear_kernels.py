@@ -174,15 +174,20 @@ def fp8_gemv_kernel(
     y_ptr,  # [M, N] x's dtype, or float32 added into (ACCUMULATE)
     part_ptr,  # [SPLIT_K, M, N] float32 partial sums (SPLIT_K > 1 and not ACCUMULATE)
     count_ptr,  # [cdiv(N, BLOCK_N)] int32 arrival counters, zero on entry and on exit
+    res_ptr,  # [M, K] the residual stream (PRENORM)
+    norm_w_ptr,  # [K] the RMSNorm's weight (PRENORM)
+    res_out_ptr,  # [M, K] out: x + residual (PRENORM)
     # sizes
     M,
     N,
     K,
+    eps,
     # strides
     stride_xm,
     stride_wn,
     stride_wsn,
     stride_ym,
+    stride_res,
     # meta-parameters
     SCALE_E8M0: tl.constexpr,
     M_PAD: tl.constexpr,
@@ -193,6 +198,8 @@ def fp8_gemv_kernel(
     BIT_DECODE: tl.constexpr,
     SWIGLU: tl.constexpr = False,
     ACCUMULATE: tl.constexpr = False,
+    PRENORM: tl.constexpr = False,
+    NORM_BLOCK: tl.constexpr = 128,
 ):
     """y = x @ W^T for a few rows x, without tensor cores: decode-sized M multiplies each
     weight M times, so FMAs in registers beat a 16-row MMA tile of which M rows are used.
@@ -212,7 +219,14 @@ def fp8_gemv_kernel(
     rounded to x's dtype as a separate activation would be (a SwiGLU MLP's down projection
     straight from its gate+up output). ACCUMULATE: y is float32 and each program adds its
     (partial) product into it with atomics, no partials or counters (the fused MoE's
-    accumulator, which the routed experts add into too)."""
+    accumulator, which the routed experts add into too).
+
+    PRENORM: x is the float32 sum a residual block produced (the MoE's accumulator) and the
+    product takes RMSNorm(x + residual) as kernels/triton/rmsnorm.py forms it: the sum
+    rounded to the residual's dtype, its rms over the whole row (every program computes
+    its rows' rms: two rows of K values from L2), the normalised row rounded again. The
+    row-block-0 programs store the rounded sum as the new residual (res_out, never the
+    residual read here). One launch where the norm took its own before the GEMV."""
     CHUNKS: tl.constexpr = BLOCK_K // VEC
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)
@@ -239,6 +253,22 @@ def fp8_gemv_kernel(
     mask_wn = mask_n[None, :, None, None]
     k_next = step_lo * BLOCK_K + offs_kw
     q_next = tl.load(w_rows + k_next, mask=mask_wn & (k_next < K), other=0.0)
+    if PRENORM:
+        # The rows' rms while the first weight tile is in flight.
+        res_rows = res_ptr + offs_m[:, None, None] * stride_res  # [M_PAD, 1, 1]
+        res_out_rows = res_out_ptr + offs_m[:, None, None] * stride_res
+        offs_d = tl.arange(0, NORM_BLOCK)
+        sum_sq = tl.zeros((M_PAD,), tl.float32)
+        for d0 in range(0, K, NORM_BLOCK):
+            dk = d0 + offs_d
+            mask_d = mask_m[:, None] & (dk < K)[None, :]
+            h = tl.load(x_ptr + offs_m[:, None] * stride_xm + dk[None, :], mask=mask_d,
+                        other=0.0).to(tl.float32)  # fmt: skip
+            h += tl.load(res_ptr + offs_m[:, None] * stride_res + dk[None, :], mask=mask_d,
+                         other=0.0).to(tl.float32)  # fmt: skip
+            h = h.to(res_out_ptr.dtype.element_ty).to(tl.float32)
+            sum_sq += tl.sum(h * h, axis=1)
+        rstd = 1.0 / tl.sqrt(sum_sq / K + eps)
     acc = tl.zeros((M_PAD, BLOCK_N, CHUNKS), dtype=tl.float32)
     for step in range(step_lo, step_hi):
         q = q_next
@@ -265,6 +295,14 @@ def fp8_gemv_kernel(
             up = tl.load(x_rows + K + kx, mask=mask_x, other=0.0).to(tl.float32)
             gate = xk.to(tl.float32)
             xk = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
+        if PRENORM:
+            h = xk.to(tl.float32) + tl.load(res_rows + kx, mask=mask_x, other=0.0).to(tl.float32)
+            h = h.to(res_out_ptr.dtype.element_ty)
+            if pid_n == 0:
+                tl.store(res_out_rows + kx, h, mask=mask_x)
+            w_norm = tl.load(norm_w_ptr + kx, mask=kx < K, other=0.0).to(tl.float32)
+            xk = h.to(tl.float32) * rstd[:, None, None] * w_norm
+            xk = xk.to(res_out_ptr.dtype.element_ty)
         xk = xk.to(tl.float32)[:, None, :, :]  # [M_PAD, 1, CHUNKS, VEC]
         part = tl.sum(w * xk, axis=3)  # [M_PAD, BLOCK_N, CHUNKS]
         s = tl.load(

@@ -218,13 +218,51 @@ def fp8_gemv(
     (atomics). `config`: a GEMV config (default_gemv_config's keys). `lane`: the arrival
     counters' lane (_arrival_counters), for launches that may run beside the main
     stream's."""
-    m, kx = x.shape
+    k = weight.shape[1]
+    assert x.shape[1] == (2 * k if swiglu else k), (
+        f"x has {x.shape[1]} columns; weight [N={weight.shape[0]}, K={k}] wants "
+        f"{2 * k if swiglu else k}" + (" (gate | up)" if swiglu else "")
+    )
+    return _gemv(x, weight, scale, config, out, swiglu, lane)
+
+
+def fp8_gemv_rmsnorm(
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    norm_weight: torch.Tensor,
+    eps: float,
+    weight: torch.Tensor,
+    scale: torch.Tensor,
+    config: dict,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(RMSNorm(x + residual) @ dequant(weight)^T, x + residual) in one launch, the pair
+    kernels/triton/rmsnorm.py and fp8_gemv give in two: x [M, K] float32 or the residual's
+    dtype, residual [M, K] bf16/fp16, norm_weight [K]. Both results in the residual's
+    dtype."""
+    m, k = x.shape
+    assert residual.shape == (m, k) and residual.stride(-1) == 1, (
+        f"residual must be a row-major [{m}, {k}], got {list(residual.shape)}"
+    )
+    assert residual.dtype in (torch.bfloat16, torch.float16), (
+        f"residual must be bf16/fp16, got {residual.dtype}"
+    )
+    assert x.dtype in (residual.dtype, torch.float32), (
+        f"x must be the residual's dtype ({residual.dtype}) or float32, got {x.dtype}"
+    )
+    assert norm_weight.shape == (k,) and weight.shape[1] == k, (
+        f"norm weight {list(norm_weight.shape)} and weight {list(weight.shape)} vs K={k}"
+    )
+    new_residual = torch.empty_like(residual)
+    out = _gemv(x, weight, scale, config, None, False, "main",
+                (residual, norm_weight, eps, new_residual))  # fmt: skip
+    return out, new_residual
+
+
+def _gemv(x, weight, scale, config, out, swiglu, lane, norm=None) -> torch.Tensor:
+    """fp8_gemv_kernel's launch; `norm` (residual, weight, eps, residual out) or None."""
+    m = x.shape[0]
     n, k = weight.shape
     assert x.stride(-1) == 1 and weight.stride(-1) == 1, "x and weight must be row-major"
-    assert kx == (2 * k if swiglu else k), (
-        f"x has {kx} columns; weight [N={n}, K={k}] wants {2 * k if swiglu else k}"
-        + (" (gate | up)" if swiglu else "")
-    )
     assert m <= GEMV_MAX_M, f"the GEMV kernel takes M <= {GEMV_MAX_M}, got {m}"
     accumulate = out is not None
     if accumulate:
@@ -232,7 +270,8 @@ def fp8_gemv(
             f"out must be a row-major float32 [{m}, {n}], got {out.dtype} {list(out.shape)}"
         )
     else:
-        out = torch.empty((m, n), dtype=x.dtype, device=x.device)
+        dtype = norm[0].dtype if norm is not None else x.dtype
+        out = torch.empty((m, n), dtype=dtype, device=x.device)
     block_n, block_k, vec = config["BLOCK_N"], config["BLOCK_K"], config.get("VEC", 16)
     assert 128 % vec == 0 and block_k % vec == 0, (
         f"VEC must divide 128 and BLOCK_K, got VEC={vec}, BLOCK_K={block_k}"
@@ -246,19 +285,24 @@ def fp8_gemv(
         counts = arrival_counters(x.device, n_tiles, lane)
     else:
         part = counts = out  # unused: one split, or every split adds into out
+    residual, norm_weight, eps, new_residual = norm if norm is not None else (out, out, 0.0, out)
     bit_decode = bool(config.get("BIT_DECODE", False))
     codes = weight.view(torch.int8) if bit_decode else weight
+    m_pad = next_pow2(m)
     fp8_gemv_kernel[(n_tiles, split)](
-        x, codes, scale, out, part, counts,
-        m, n, k,
-        x.stride(0), weight.stride(0), scale.stride(0), out.stride(0),
+        x, codes, scale, out, part, counts, residual, norm_weight, new_residual,
+        m, n, k, float(eps),
+        x.stride(0), weight.stride(0), scale.stride(0), out.stride(0), residual.stride(0),
         SCALE_E8M0=scale.dtype == torch.uint8,
-        M_PAD=next_pow2(m),
+        M_PAD=m_pad,
         BLOCK_N=block_n, BLOCK_K=block_k, VEC=vec,
         SPLIT_K=split,
         BIT_DECODE=bit_decode,
         SWIGLU=swiglu,
         ACCUMULATE=accumulate,
+        PRENORM=norm is not None,
+        # the rms pass's row chunk: ~2K values per array in flight over the M rows
+        NORM_BLOCK=max(128, min(next_pow2(k), 2048 // m_pad)),
         num_warps=config.get("num_warps", 4),
     )  # fmt: skip
     return out

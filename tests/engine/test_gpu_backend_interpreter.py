@@ -307,3 +307,47 @@ def test_decode_rope_covers_the_drafters_positions_past_max_model_len(tmp_path):
     # kernel's rope table must still hold them. Here max_model_len is 8 and the decode row
     # sits at position 9.
     assert _float32_decode_error(tmp_path, 8, [[3, 1, 4, 1, 5, 9, 2, 6, 5]]) < 1e-5
+
+
+def test_input_norm_folded_into_the_fp8_q_kv_a_gemv(tmp_path, monkeypatch):
+    # EngineConfig.fold_input_norm: a one-row decode step (the q/kv_a config is the GEMV)
+    # takes norm(x + residual) inside q/kv_a; the same attention output, cache entry and
+    # new residual as the norm launch then the decode path. Two rows take the dot kernel
+    # here: no fold. (q_lora_rank 128: FP8 q_a and kv_a stack only on a scale-block edge.)
+    from engine import checkpoint_maker
+
+    tiny = dict(checkpoint_maker.PRESETS["tiny"], q_lora_rank=128)
+    monkeypatch.setitem(checkpoint_maker.PRESETS, "tiny", tiny)
+    make_random_checkpoint(tmp_path, preset="tiny", dense_dtype="fp8", seed=9, device="cpu",
+                           mtp=False)  # fmt: skip
+    model = _bf16_model(tmp_path)
+    backend.prepare_model(model, torch.bfloat16, 64, fold_input_norm=True)
+    layer = model.model.layers[1]
+    attn, norm = layer.self_attn, layer.input_layernorm
+    assert attn.cuda_state.fold_input_norm and attn.cuda_state.q_kv_a is not None
+    runner = PagedRunner(model, block_size=4, num_blocks=32, seed=3)
+    gen = torch.Generator().manual_seed(10)
+    runner.step([(0, torch.randint(0, 200, (6,), generator=gen).tolist()), (1, [7, 3])])
+    d = attn.dims.hidden_size
+    for rows in (1, 2):
+        ctx, positions = runner.context([(s, 1) for s in range(rows)])
+        acc = torch.randn(rows, d, generator=gen)  # the MoE's float32 accumulator
+        residual = torch.randn(rows, d, generator=gen).bfloat16()
+        cache = attn.kv_cache.clone()
+        x, want_res = backend.rmsnorm(acc, norm.weight, norm.eps, residual)  # the GPU's norm
+        want = backend.mla_decode_forward(attn, x, positions, ctx).float()
+        want_cache = attn.kv_cache.clone()
+        attn.kv_cache.copy_(cache)
+        folded = backend.mla_decode_with_input_norm(attn, norm, acc, residual, positions, ctx)
+        if rows == 2:
+            assert folded is None  # q/kv_a's two-row config is the dot kernel
+            continue
+        got, got_res = folded
+        assert torch.equal(got_res, want_res)
+        assert relative_error(got.float(), want) < 1e-2
+        assert relative_error(attn.kv_cache.float(), want_cache.float()) < 1e-2
+        attn.kv_cache.copy_(cache)
+    backend.prepare_model(model, torch.bfloat16, 64)  # the default: no fold
+    ctx, positions = runner.context([(0, 1)])
+    acc, residual = torch.randn(1, d, generator=gen), torch.randn(1, d, generator=gen).bfloat16()
+    assert backend.mla_decode_with_input_norm(attn, norm, acc, residual, positions, ctx) is None

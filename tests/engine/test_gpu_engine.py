@@ -113,16 +113,17 @@ def _gpu_logits(model, tokens: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize(
-    ("dense", "experts", "native", "expanded_f32"),
+    ("dense", "experts", "native", "expanded_f32", "fold"),
     [
-        ("bf16", "bf16", None, True),
-        ("fp8", "mxfp4", None, True),
-        ("fp8", "mxfp4", 1, True),
-        ("fp8", "mxfp4", None, False),
+        ("bf16", "bf16", None, True, False),
+        ("fp8", "mxfp4", None, True, False),
+        ("fp8", "mxfp4", 1, True, False),
+        ("fp8", "mxfp4", None, False, False),
+        ("fp8", "mxfp4", None, False, True),
     ],
 )
 def test_bf16_logits_close_to_float32_cpu_at_moonlight_shapes(
-    tmp_path, dense, experts, native, expanded_f32, monkeypatch
+    tmp_path, dense, experts, native, expanded_f32, fold, monkeypatch
 ):
     # native=1: every dense FP8 linear quantizes its activations (EngineConfig.
     # fp8_native_min_tokens), one E4M3 rounding per linear input on top of bf16.
@@ -139,6 +140,10 @@ def test_bf16_logits_close_to_float32_cpu_at_moonlight_shapes(
         return plain(*args, native_fp8=native_fp8, **kwargs)
 
     monkeypatch.setattr(fp8_module, "fp8_block_linear", recorded)
+    folds = []  # fold=True (EngineConfig.fold_input_norm): the decode row's q/kv_a GEMVs
+    plain_fold = fp8_module.fp8_gemv_rmsnorm
+    monkeypatch.setattr(fp8_module, "fp8_gemv_rmsnorm",
+                        lambda *a, **k: folds.append(1) or plain_fold(*a, **k))  # fmt: skip
 
     path = make_random_checkpoint(
         tmp_path / "m",
@@ -160,11 +165,14 @@ def test_bf16_logits_close_to_float32_cpu_at_moonlight_shapes(
         kv_cache_memory=1 << 30,
         fp8_native_min_tokens=native,
         mla_expanded_float32=expanded_f32,
+        fold_input_norm=fold,
     )
     paths.clear()  # count the logits forward only, not start-up's warm-up and capture
+    folds.clear()
     got = _gpu_logits(gpu.engine.runner.model, tokens)
     if dense == "fp8":
         assert paths and all(p == (native is not None) for p in paths)
+    assert len(folds) == (1 if fold else 0)  # layer 1's decode row (layer 0 has no residual)
     del gpu
     torch.cuda.empty_cache()
     cpu_model = load_engine_model(path, enable_mtp=False)

@@ -205,3 +205,26 @@ def test_fp8_gemv_checks_its_input_width_and_accumulator():
         fp8_gemv(x, q, s, _gemv(32, 64, 1, False), swiglu=True)
     with pytest.raises(AssertionError, match="float32"):
         fp8_gemv(x, q, s, _gemv(32, 64, 1, False), out=torch.zeros(2, 64, device=DEVICE).half())
+
+
+@pytest.mark.parametrize("m,split_k", [(1, 1), (1, 4), (3, 2), (8, 3)])
+@pytest.mark.parametrize("x_dtype", [torch.float32, torch.bfloat16])
+def test_fp8_gemv_rmsnorm_equals_the_norm_then_the_gemv(m, split_k, x_dtype):
+    # One launch for RMSNorm(x + residual) @ W^T (each program computes its rows' rms) and
+    # the new residual, against kernels/triton/rmsnorm.py then the GEMV: the residual bit
+    # for bit, the product within float32 rounding (the rms sums in another order).
+    from kernels.triton.fp8_linear import fp8_gemv, fp8_gemv_rmsnorm
+    from kernels.triton.rmsnorm import rmsnorm
+
+    n, k = 150, 272
+    g = torch.Generator().manual_seed(400 + m * 10 + split_k)
+    q, s = random_fp8_block((n, k), generator=g, device=DEVICE)
+    x = (torch.randn(m, k, generator=g) * 3).to(x_dtype).to(DEVICE)
+    residual = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    norm_w = (torch.rand(k, generator=g) + 0.5).to(torch.bfloat16).to(DEVICE)
+    cfg = _gemv(32, 64, split_k, False)
+    normed, want_res = rmsnorm(x, norm_w, 1e-6, residual)
+    want = fp8_gemv(normed, q, s, cfg)
+    got, got_res = fp8_gemv_rmsnorm(x, residual, norm_w, 1e-6, q, s, cfg)
+    assert torch.equal(got_res, want_res) and got_res.data_ptr() != residual.data_ptr()
+    assert got.dtype == torch.bfloat16 and rel_err(got, want) < 2e-3
