@@ -23,6 +23,8 @@ The config (tuned table, else `default_config`) picks the kernel: "KERNEL": "gem
 `fp8_gemv` is the GEMV on its own, with two more forms for a SwiGLU MLP at decode sizes
 (the fused MoE's shared expert): its input may be a [gate | up] row taken as
 SiLU(gate) * up, and its product may be added into a float32 accumulator.
+`fp8_gemv_rmsnorm` takes RMSNorm(x + residual) as its input instead (a decoder layer's
+input norm and first projection in one launch).
 """
 
 from __future__ import annotations
