@@ -422,10 +422,7 @@ def _mla_query_and_latent(
     if state.q_kv_a is not None:
         return _split_query_latent(attn, state.q_kv_a(x))
     q_in = attn.q_a_proj if d.q_lora_rank else attn.q_proj
-    q, kv = q_in(x), attn.kv_a_proj_with_mqa(x)  # kv [T, R+P]
-    if d.q_lora_rank:
-        q = attn.q_b_proj(attn.q_a_layernorm(q))
-    return q.view(x.shape[0], d.num_heads, d.qk_nope_head_dim + d.qk_rope_head_dim), kv
+    return _query_heads(attn, q_in(x)), attn.kv_a_proj_with_mqa(x)  # kv [T, R+P]
 
 
 def _split_query_latent(
@@ -433,11 +430,16 @@ def _split_query_latent(
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """The stacked q/kv_a output [T, q rows + R + P] -> q [T, H, N+P], kv [T, R+P]."""
     d = attn.dims
-    q_in = attn.q_a_proj if d.q_lora_rank else attn.q_proj
-    q, kv = both[:, : q_in.out_features], both[:, q_in.out_features :]
+    rows = (attn.q_a_proj if d.q_lora_rank else attn.q_proj).out_features
+    return _query_heads(attn, both[:, :rows]), both[:, rows:]
+
+
+def _query_heads(attn: MultiLatentAttention, q: torch.Tensor) -> torch.Tensor:
+    """q_proj's output (or q_a's, through its norm and q_b) as [T, H, N+P]."""
+    d = attn.dims
     if d.q_lora_rank:
         q = attn.q_b_proj(attn.q_a_layernorm(q))
-    return q.view(both.shape[0], d.num_heads, d.qk_nope_head_dim + d.qk_rope_head_dim), kv
+    return q.view(q.shape[0], d.num_heads, d.qk_nope_head_dim + d.qk_rope_head_dim)
 
 
 def _rope_cache_args(
