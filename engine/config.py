@@ -73,9 +73,9 @@ class EngineConfig:
     min_prefill_seqs: int | None = None
     # CUDA, DeepSeek models: decode steps whose stacked q/kv_a runs the FP8 GEMV (1-8
     # tokens by the H200's table) compute the layer's input RMSNorm inside it, one launch
-    # fewer per layer (engine/backends/cuda.py mla_decode_with_input_norm). Off until
-    # timed on a GPU (docs/notes-gpu-engine.md, v13).
-    fold_input_norm: bool = False
+    # fewer per layer (engine/backends/cuda.py mla_decode_with_input_norm). H200, FP8 +
+    # MXFP4 batch 1: 513 -> 518-520 tok/s (docs/notes-gpu-engine.md, v14).
+    fold_input_norm: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

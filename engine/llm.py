@@ -35,7 +35,7 @@ class LLM:
     prefill and admits waiting requests in groups of at least `min_prefill_seqs` (default:
     on where decode steps replay CUDA graphs, groups of max_num_seqs / 2).
     `fold_input_norm` computes a DeepSeek layer's input RMSNorm inside its FP8 q/kv_a GEMV
-    in small decode steps on a GPU (default off).
+    in small decode steps on a GPU (default on).
     """
 
     def __init__(
@@ -58,7 +58,7 @@ class LLM:
         mla_expanded_float32: bool = False,
         separate_prefill: bool | None = None,
         min_prefill_seqs: int | None = None,
-        fold_input_norm: bool = False,
+        fold_input_norm: bool = True,
     ) -> None:
         self.config = EngineConfig(
             model=str(model),

@@ -757,7 +757,7 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--min-prefill-seqs", type=int, default=None,
               help="With separate prefill: requests admitted per prefill step at least "
                    "(default: the engine's, max_num_seqs / 2).")  # fmt: skip
-@click.option("--fold-input-norm/--no-fold-input-norm", default=False, show_default=True,
+@click.option("--fold-input-norm/--no-fold-input-norm", default=True, show_default=True,
               help="DeepSeek layers' input RMSNorm inside the FP8 q/kv_a GEMV (1-8 tokens).")  # fmt: skip
 @click.option("--temperature", type=float, default=0.0, show_default=True,
               help="Our engine's requests: 0 is greedy (transformers stays greedy).")  # fmt: skip
