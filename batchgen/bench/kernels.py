@@ -172,7 +172,7 @@ def bench_moe(
     int8: bool = False,
 ) -> tuple[list[dict], dict]:
     from kernels.reference.fused_moe import fused_moe_reference
-    from kernels.triton.fused_moe import default_config, fused_moe, shape_key
+    from kernels.triton.fused_moe import choose_config, default_config, fused_moe, shape_key
 
     weights = make_moe_weights(case, device)
     per_expert = _expert_bytes(case, *weights)
@@ -182,8 +182,11 @@ def bench_moe(
         routings = _routings(case, t, device)
         distinct = sum(torch.unique(ids).numel() for _, ids in routings) / len(routings)
         nbytes = distinct * per_expert + t * case.d * 2 * 2  # + x read, out written
-        cfg = default_config(t * case.top_k, case.e, case.fmt)
+        # Untuned, the config the engine would launch (the table's entry, else the
+        # heuristic); tuning searches around the heuristic's.
+        cfg = choose_config(t, case.top_k, case.e, case.d, case.i, case.fmt, device)
         if tune and t <= tune_max_tokens:
+            cfg = default_config(t * case.top_k, case.e, case.fmt)
             if t > PREFILL_TOKENS:
                 cands = _prefill_candidates(cfg)
                 if case.fmt == "mxfp4":  # or decode the experts to bf16 once (mxfp4_dequant)
