@@ -123,8 +123,8 @@ def dense_config(num_tokens: int, d: int, i: int, fmt: str, device=None) -> dict
     spread over ~1 wave of programs. An FP8 shared expert's entry may instead be "KERNEL":
     "gemv" (up to GEMV_MAX_M tokens): its gate+up and down run as FP8 GEMVs
     (fp8_linear.fp8_gemv, DOWN holding the down's own GEMV tile), meant to hold fewer SMs
-    for less time beside the routed experts' kernels (built 2026-11-29, not yet timed on a
-    GPU: docs/notes-gpu-engine.md, v13)."""
+    for less time beside the routed experts' kernels. On the H200 `bench step-tune` did
+    not choose it (batch 1 1.938 against 1.927 ms per step; docs/notes-gpu-engine.md, v14)."""
     tuned = configs.lookup(OP, shape_key(num_tokens, 1, 1, d, i, fmt), device)
     if tuned is not None and (tuned.get("KERNEL") != "gemv" or num_tokens <= GEMV_MAX_M):
         return tuned
