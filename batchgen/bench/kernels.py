@@ -182,9 +182,8 @@ def bench_moe(
         routings = _routings(case, t, device)
         distinct = sum(torch.unique(ids).numel() for _, ids in routings) / len(routings)
         nbytes = distinct * per_expert + t * case.d * 2 * 2  # + x read, out written
-        # Untuned, the config the engine would launch (the table's entry, else the
-        # heuristic); tuning searches around the heuristic's.
-        cfg = choose_config(t, case.top_k, case.e, case.d, case.i, case.fmt, device)
+        # Tuning searches around the heuristic's config; untuned, the bench times the one
+        # the engine would launch (the table's entry, else the heuristic).
         if tune and t <= tune_max_tokens:
             cfg = default_config(t * case.top_k, case.e, case.fmt)
             if t > PREFILL_TOKENS:
@@ -205,6 +204,8 @@ def bench_moe(
             if t > PREFILL_TOKENS:  # then the launch order's groups (_tile_ids)
                 cfg = _tune(make, [cfg] + [dict(cfg, GROUP_M=g) for g in (1, 2, 4, 8, 16)])
             tuned[shape_key(t, case.top_k, case.e, case.d, case.i, case.fmt)] = cfg
+        else:
+            cfg = choose_config(t, case.top_k, case.e, case.d, case.i, case.fmt, device)
         calls = _moe_calls(fused_moe, x, weights, routings, fmt=case.fmt, config=cfg)
         ms = time_graphed(calls)
         eager_ms = median_ms(_cycle(calls))
