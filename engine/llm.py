@@ -96,6 +96,12 @@ class LLM:
     def num_preemptions(self) -> int:
         return self.engine.scheduler.num_preemptions
 
+    @property
+    def requests_in_step(self) -> frozenset[str]:
+        """The request ids of the engine's current step (and of a launched step not yet
+        resolved): after `stream` raises, the requests the failure concerns."""
+        return self.engine.requests_in_step
+
     def record_routing(self, on: bool = True) -> bool:
         """Start (or stop) recording routing statistics; False for models without routed
         experts. On a GPU, recording steps run eagerly instead of replaying graphs."""
@@ -195,7 +201,7 @@ class LLM:
                     break
                 params = req.sampling_params or SamplingParams()
                 text, ids = self._tokenize(req.prompt)
-                rejected = engine.add_request(req.request_id, ids, params, text, req.group)
+                rejected = engine.add_request(req.request_id, ids, params, text, req.group, req.tag)
                 if rejected is not None:
                     yield rejected
             if not engine.has_unfinished():

@@ -11,6 +11,7 @@ import torch
 
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.fault_injection import from_environment as injected_faults
 from engine.model_runner import ModelRunner
 from engine.outputs import CompletionOutput, RequestOutput
 from engine.pending_step import PendingStep
@@ -38,6 +39,7 @@ class _RequestState:
     prompt: str | None
     prompt_token_ids: list[int]
     seqs: list[Sequence]
+    tag: str | None = None  # the caller's label (Request.tag)
     arrival: float = field(default_factory=time.monotonic)
     first_token: float | None = None
 
@@ -65,6 +67,10 @@ class LLMEngine:
         self.num_steps = 0
         self.async_scheduling = self._async_scheduling(config)
         self._inflight: PendingStep | None = None  # launched, not yet resolved
+        # The requests of the step being run and of a launched step still to resolve:
+        # after step() raises, the requests its failure concerns.
+        self.requests_in_step: frozenset[str] = frozenset()
+        self.faults = injected_faults()
         self.routing_recorder = None
         if config.record_routing:
             self.record_routing(True)
@@ -93,6 +99,7 @@ class LLMEngine:
         params: SamplingParams,
         prompt: str | None = None,
         group: int | None = None,
+        tag: str | None = None,
     ) -> RequestOutput | None:
         """Queue a request. Returns an error RequestOutput at once when this request alone
         cannot run (empty prompt, longer than the context); the others go on."""
@@ -112,7 +119,9 @@ class LLMEngine:
             Sequence(request_id, i, prompt_token_ids, params, self._generator(params, i), group)
             for i in range(params.n)
         ]
-        self.requests[request_id] = _RequestState(request_id, prompt, list(prompt_token_ids), seqs)
+        self.requests[request_id] = _RequestState(
+            request_id, prompt, list(prompt_token_ids), seqs, tag
+        )
         for seq in seqs:
             self.scheduler.add(seq)
         return None
@@ -142,6 +151,9 @@ class LLMEngine:
         scheduling a decode step is launched and the previous one resolved, so the tokens
         a step returns are those of the step before it."""
         finished: list[RequestOutput] = []
+        self.requests_in_step = frozenset(
+            s.request_id for s in (self._inflight.seqs if self._inflight else [])
+        )
         for seq in self.scheduler.abort_unrunnable():
             finished.extend(self._fail(seq.request_id, "sequence does not fit the KV cache"))
         batch = self.scheduler.schedule()
@@ -194,6 +206,10 @@ class LLMEngine:
 
     def _begin_step(self, batch: ScheduledBatch) -> None:
         self.num_steps += 1
+        self.requests_in_step |= {s.request_id for s in batch.seqs}
+        if self.faults is not None:
+            tags = {self.requests[r].tag for r in self.requests_in_step if r in self.requests}
+            self.faults.before_step(self.num_steps, tags)
         if self.routing_recorder is not None:
             groups = Counter(s.group for s in batch.seqs if s.group is not None)
             dominant = groups.most_common(1)[0][0] if groups else None

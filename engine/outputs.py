@@ -38,9 +38,12 @@ class RequestOutput:
 class Request:
     """An input to `LLM.stream`: an id the caller chooses, the prompt as text or token ids,
     and its sampling parameters. `group` is a hint for the scheduler (e.g. a task cluster):
-    it prefers to admit requests of the group that dominates the running batch."""
+    it prefers to admit requests of the group that dominates the running batch. `tag` is
+    the caller's label for the request (batchgen: its row id); the engine only matches it
+    against injected `crash@row=ID` faults (engine/fault_injection.py)."""
 
     request_id: str
     prompt: str | list[int]
     sampling_params: object | None = None
     group: int | None = None
+    tag: str | None = None
