@@ -130,7 +130,7 @@ class DecodeInputs:
             ints[POSITIONS, i] = pos
             ints[SLOTS, i] = table[pos // bs] * bs + pos % bs
             ints[CONTEXT_LENS, i] = pos + 1
-            ints[SEEDS, i] = seq.generator.initial_seed() if seq.generator is not None else 0
+            ints[SEEDS, i] = seq.sample_seed if seq.sample_seed is not None else 0
             ints[STEPS, i] = seq.num_output_tokens
             floats[TEMPERATURE, i] = 0.0 if p.greedy else p.temperature
             floats[TOP_P, i] = p.top_p

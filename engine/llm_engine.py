@@ -7,8 +7,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-import torch
-
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.fault_injection import from_environment as injected_faults
@@ -116,7 +114,7 @@ class LLMEngine:
         if error:
             return RequestOutput(request_id, prompt, list(prompt_token_ids), [], True, error)
         seqs = [
-            Sequence(request_id, i, prompt_token_ids, params, self._generator(params, i), group)
+            Sequence(request_id, i, prompt_token_ids, params, self._sample_seed(params, i), group)
             for i in range(params.n)
         ]
         self.requests[request_id] = _RequestState(
@@ -126,15 +124,16 @@ class LLMEngine:
             self.scheduler.add(seq)
         return None
 
-    def _generator(self, params: SamplingParams, index: int) -> torch.Generator | None:
+    def _sample_seed(self, params: SamplingParams, index: int) -> int | None:
+        """The key of completion `index`'s draws: from the request's seed when it has one
+        (the same tokens alone or in any batch), else from the engine's seed and arrival
+        order."""
         if params.greedy:
             return None
         if params.seed is not None:
-            seed = (params.seed * _SEED_MIX + index) % (1 << 63)
-        else:
-            self._unseeded += 1
-            seed = (self.config.seed * _SEED_MIX + self._unseeded) % (1 << 63)
-        return torch.Generator(device=self.runner.device).manual_seed(seed)
+            return (params.seed * _SEED_MIX + index) % (1 << 63)
+        self._unseeded += 1
+        return (self.config.seed * _SEED_MIX + self._unseeded) % (1 << 63)
 
     def has_unfinished(self) -> bool:
         # A launched step still to resolve counts as work (async scheduling): after the last

@@ -211,8 +211,9 @@ class ModelRunner:
         tokens = sample(
             logits,
             [s.params for s in sampling],
-            [s.generator for s in sampling],
-            banned if any(banned) else None,
+            [s.sample_seed or 0 for s in sampling],
+            [s.num_output_tokens for s in sampling],
+            banned,
         )
         return {s.seq_id: [t] for s, t in zip(sampling, tokens)}
 

@@ -35,7 +35,7 @@ class Sequence:
         index: int,
         prompt_token_ids: list[int],
         params: SamplingParams,
-        generator: torch.Generator | None,
+        sample_seed: int | None,
         group: int | None = None,
     ) -> None:
         self.seq_id = next(_ids)
@@ -44,7 +44,9 @@ class Sequence:
         self.token_ids = list(prompt_token_ids)
         self.num_prompt_tokens = len(prompt_token_ids)
         self.params = params
-        self.generator = generator
+        # Keys this sequence's random draws (engine/sampler.py); None for greedy ones.
+        self.sample_seed = sample_seed
+        self._generator: torch.Generator | None = None
         self.group = group
         self.status = Status.WAITING
         self.num_computed = 0
@@ -56,6 +58,14 @@ class Sequence:
         # the distributions they were drawn from (for rejection sampling).
         self.draft_tokens: list[int] = []
         self.draft_probs: torch.Tensor | None = None
+
+    def generator(self, device: torch.device) -> torch.Generator | None:
+        """A generator on `device` seeded by sample_seed, for the speculator's draft and
+        acceptance draws (engine/spec_decode/); token sampling itself is keyed, not
+        stateful."""
+        if self._generator is None and self.sample_seed is not None:
+            self._generator = torch.Generator(device=device).manual_seed(self.sample_seed)
+        return self._generator
 
     def __len__(self) -> int:
         return len(self.token_ids)

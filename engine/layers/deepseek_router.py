@@ -18,8 +18,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 from torch import nn
+
+from kernels.cpu import batch_invariant
 
 SCORING_FUNCS = ("sigmoid", "softmax")
 TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
@@ -116,5 +117,5 @@ class DeepseekRouter(nn.Module):
             self.e_score_correction_bias = None
 
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        logits = F.linear(x.float(), self.weight)  # [T, E]
+        logits = batch_invariant.linear(x.float(), self.weight)  # [T, E]
         return select_experts(logits, self.spec, self.e_score_correction_bias)

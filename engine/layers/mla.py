@@ -32,6 +32,7 @@ from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
 from engine.quant.base import QuantConfig
+from kernels.cpu import batch_invariant
 
 # DeepSeek's and transformers' MLA norms use the RMSNorm default eps, not rms_norm_eps.
 LATENT_NORM_EPS = 1e-6
@@ -134,18 +135,23 @@ def attend_absorbed_batched(
     [B, Q, H, V] float32. max_context, the longest of context_lens when the caller knows
     it on the host, saves a device sync."""
     N, R = dims.qk_nope_head_dim, dims.kv_lora_rank
-    q_nope, q_rope = q[..., :N].float(), q[..., N:].float()
+    B, Q, H, _ = q.shape
     lmax = int(context_lens.max()) if max_context is None else max_context
     entries = _context_entries(cache, block_tables, lmax)  # [B, L, R+P]
-    latent, k_rope = entries[..., :R], entries[..., R:]
-    q_lat = torch.einsum("bqhn,hnr->bqhr", q_nope, kv_b_weight[:, :N])
-    scores = torch.einsum("bqhr,blr->bhql", q_lat, latent)
-    scores = (scores + torch.einsum("bqhp,blp->bhql", q_rope, k_rope)) * scale  # [B, H, Q, L]
+    q_nope = q[..., :N].float().permute(2, 0, 1, 3).reshape(H, B * Q, N)
+    q_lat = batch_invariant.batched_matmul(q_nope, kv_b_weight[:, :N].contiguous())  # [H, BQ, R]
+    q_lat = q_lat.view(H, B, Q, R).permute(1, 2, 0, 3)  # [B, Q, H, R]
+    # One latent "head" shared by all H query heads (MQA): the rows of one problem are
+    # its (query, head) pairs, the keys [c | k_rope], the values c.
+    q_full = torch.cat((q_lat, q[..., N:].float()), dim=-1).reshape(B, Q * H, -1)
     keys = torch.arange(lmax, device=cache.device)
-    future = keys[None, None, :] > q_pos[:, :, None]  # [B, Q, L] (covers padding past the end)
-    probs = scores.masked_fill(future[:, None], float("-inf")).softmax(dim=-1)
-    o_lat = torch.einsum("bhql,blr->bqhr", probs, latent)
-    return torch.einsum("bqhr,hvr->bqhv", o_lat, kv_b_weight[:, N:])
+    visible = keys[None, None, :] <= q_pos[:, :, None]  # [B, Q, L]; past the end is future
+    visible = visible[:, :, None].expand(B, Q, H, lmax).reshape(B, Q * H, lmax)
+    o_lat = batch_invariant.attention(q_full, entries, entries[..., :R], visible, scale)
+    o_lat = o_lat.view(B, Q, H, R).permute(2, 0, 1, 3).reshape(H, B * Q, R)
+    w_uv = kv_b_weight[:, N:].transpose(1, 2).contiguous()  # [H, R, V]
+    out = batch_invariant.batched_matmul(o_lat, w_uv)  # [H, BQ, V]
+    return out.view(H, B, Q, -1).permute(1, 2, 0, 3)  # [B, Q, H, V]
 
 
 def _context_entries(
@@ -285,7 +291,9 @@ class MultiLatentAttention(nn.Module):
         def expanded(b: int) -> bool:
             if self.mode != "auto":
                 return self.mode == "expanded"
-            return d.prefer_expanded(q_lens[b], c_lens[b])
+            # The CPU takes the absorbed form for every query: a query's result is then the
+            # same in a prefill chunk of any size as in a decode step (batch invariance).
+            return q.is_cuda and d.prefer_expanded(q_lens[b], c_lens[b])
 
         def indices(seqs: list[int]) -> tuple[torch.Tensor, ...]:
             # The index tensors are built on the host by a few vectorized ops and sent in

@@ -43,6 +43,7 @@ from engine.models.weights import (
 )
 from engine.quant.base import QuantConfig
 from engine.quant.deepseek_quant_config import DeepseekQuantConfig
+from kernels.cpu import batch_invariant
 
 # Defaults where config.json leaves a key out: transformers' DeepseekV3Config, and for
 # model_type deepseek_v2 the values DeepSeek-V2's own modeling code assumes.
@@ -305,7 +306,7 @@ class DeepseekV3ForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return torch.nn.functional.linear(hidden, self.model.embed_tokens.weight).float()
+            return batch_invariant.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()  # [N, V]
 
     def cache_specs(self) -> list[CacheSpec]:

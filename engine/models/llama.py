@@ -22,6 +22,7 @@ from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.models.base import CacheSpec, CausalLM
 from engine.models.weights import load_strict
 from engine.quant.base import QuantConfig
+from kernels.cpu import batch_invariant
 
 
 @dataclass
@@ -154,7 +155,7 @@ class LlamaForCausalLM(CausalLM):
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         if self.lm_head is None:
-            return F.linear(hidden, self.model.embed_tokens.weight).float()
+            return batch_invariant.linear(hidden, self.model.embed_tokens.weight).float()
         return self.lm_head(hidden).float()  # [N, V]
 
     def cache_specs(self) -> list[CacheSpec]:

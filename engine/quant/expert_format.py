@@ -14,9 +14,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from kernels.cpu import batch_invariant
 from kernels.formats.e8m0 import check_e8m0, e8m0_bytes
 
 # Dequantize-on-the-fly works on row tiles of about this many elements, so no full float
@@ -33,11 +33,11 @@ def tiled_matmul(x: torch.Tensor, out_features: int, in_features: int, rows_of) 
     """y = x W^T where `rows_of(r0, r1, dtype)` dequantizes W[r0:r1] (computed in x's dtype)."""
     step = tile_rows(in_features)
     if step >= out_features:
-        return F.linear(x, rows_of(0, out_features, x.dtype))
+        return batch_invariant.linear(x, rows_of(0, out_features, x.dtype))
     y = x.new_empty(*x.shape[:-1], out_features)
     for r0 in range(0, out_features, step):
         r1 = min(out_features, r0 + step)
-        y[..., r0:r1] = F.linear(x, rows_of(r0, r1, x.dtype))
+        y[..., r0:r1] = batch_invariant.linear(x, rows_of(r0, r1, x.dtype))
     return y
 
 
@@ -102,4 +102,4 @@ class UnquantizedExperts(ExpertWeightFormat):
         return module.weight[expert].to(dtype)
 
     def apply_expert(self, module, expert, x):
-        return F.linear(x.to(module.weight.dtype), module.weight[expert]).to(x.dtype)
+        return batch_invariant.linear(x.to(module.weight.dtype), module.weight[expert]).to(x.dtype)

@@ -24,11 +24,11 @@ dequantized (a lookup reads a few rows); a tied head multiplies by that same ten
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.quant.base import QuantConfig, WeightFormat
 from engine.quant.unquantized import Unquantized
+from kernels.cpu import batch_invariant
 from kernels.cpu.gguf_blocks import dequantize_blocks, row_bytes, split_q4, split_q8_0
 from kernels.cpu.quant_matmul import (
     Int4Weight,
@@ -92,7 +92,7 @@ class GGUFBlockFormat(WeightFormat):
                 raise RuntimeError(
                     f"{layer.prefix}: GGUF weights used before process_weights_after_loading"
                 )
-            return F.linear(x.to(layer.weight.dtype), layer.weight).to(x.dtype)
+            return batch_invariant.linear(x.to(layer.weight.dtype), layer.weight).to(x.dtype)
         if self.qtype == "Q8_0":
             x = torch.cat([x, x], dim=-1)  # the hi and lo nibble halves share x
         return int4_matmul(x, layer.int4)

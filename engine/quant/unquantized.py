@@ -3,10 +3,10 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.quant.base import QuantConfig, WeightFormat
+from kernels.cpu import batch_invariant
 
 
 class Unquantized(WeightFormat):
@@ -18,7 +18,7 @@ class Unquantized(WeightFormat):
         )
 
     def apply(self, layer, x):
-        return F.linear(x.to(layer.weight.dtype), layer.weight).to(x.dtype)
+        return batch_invariant.linear(x.to(layer.weight.dtype), layer.weight).to(x.dtype)
 
     def dequantize(self, layer):
         return layer.weight.float()

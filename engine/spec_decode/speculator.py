@@ -75,7 +75,9 @@ class MtpSpeculator:
         if not drafts:
             logits = model.compute_logits(hidden[rows[-1:]])
             banned = self.runner.banned_tokens(seq)
-            return sample(logits, [seq.params], [seq.generator], [banned] if banned else None)
+            return sample(
+                logits, [seq.params], [seq.sample_seed or 0], [seq.num_output_tokens], [banned]
+            )
         k = len(drafts)
         logits = model.compute_logits(hidden[rows[-(k + 1) :]])  # [K+1, V]
         draft = torch.tensor([drafts], device=logits.device)
@@ -84,7 +86,7 @@ class MtpSpeculator:
         else:
             target = torch.stack([filter_logits(row, seq.params) for row in logits])
             result = rejection_sample(
-                draft, seq.draft_probs[None], target[None], generator=seq.generator
+                draft, seq.draft_probs[None], target[None], generator=seq.generator(logits.device)
             )
         self.stats.update(result)
         return result.tokens[0]
