@@ -11,12 +11,10 @@ so activations go through bfloat16, like llama.cpp rounding them to 8 bits.
 Constraints of the kernel: out_features a multiple of 16, in_features a multiple of the
 group size. `Int4Weight.pack` raises ValueError otherwise and callers fall back.
 
-Many rows at once (prefill chunks): the kernel's cost grows with every row of x (~10 us
-per row for a 1536x576 weight on 2 cores, a gemv per row), while decoding the packed weight
-to bfloat16 (~0.8 ms) and running one bf16 matmul (AMX) costs nearly the same at any row
-count. From `DENSE_MIN_ROWS` rows on, `int4_matmul` does that instead, transiently: the
-weight stays packed in memory. Decoding needs the CPU packing layout (`_unpack_cpu`),
-which is checked against the real weight once at pack time and skipped if it differs.
+Every row count takes the same kernel, whose rows are computed independently of each other:
+a row's result does not depend on how many rows share the call (batch invariance; a bf16
+matmul over the decoded weight would be faster for long prefill chunks but rounds
+differently, so a prompt's bits would depend on how it was chunked).
 
 Legend: M = rows of x, N = out features, K = in features, G = K / group_size.
 """
@@ -29,7 +27,6 @@ import torch
 
 GROUP_SIZE = 32
 COMPUTE_DTYPE = torch.bfloat16
-DENSE_MIN_ROWS = 128  # crossover measured at ~90 rows (docs/notes-cpu-decode.md)
 
 
 def int4_kernel_available() -> bool:
@@ -49,7 +46,6 @@ class Int4Weight:
     in_features: int
     out_features: int
     group_size: int = GROUP_SIZE
-    unpackable: bool = False  # `_unpack_cpu` reproduces q for this weight
 
     @classmethod
     def pack(
@@ -68,8 +64,7 @@ class Int4Weight:
             raise ValueError(f"scale/zero must be [{n}, {k // group_size}], got {scale.shape}")
         packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 1)
         scales_zeros = torch.stack([scale.t(), zero.t()], dim=-1).to(COMPUTE_DTYPE).contiguous()
-        unpackable = n % 64 == 0 and torch.equal(_unpack_cpu(packed, n, k), q.to(torch.uint8))
-        return cls(packed, scales_zeros, k, n, group_size, unpackable)
+        return cls(packed, scales_zeros, k, n, group_size)
 
     @property
     def nbytes(self) -> int:
@@ -78,34 +73,13 @@ class Int4Weight:
         )
 
 
-def _unpack_cpu(packed: torch.Tensor, n: int, k: int) -> torch.Tensor:
-    """The int4 CPU packing (torch 2.13, probed): per 64 output rows, byte [k // 2, c] with
-    c = n % 32 + 32 (k % 2) holds row n % 64 < 32 in its low nibble, >= 32 in its high one.
-    Returns q uint8 [N, K]."""
-    p = packed.view(n // 64, k // 2, 2, 32)  # [N/64, K/2, k parity, n % 32]
-    both = torch.stack([p & 0x0F, p >> 4], dim=1)  # [N/64, nibble, K/2, parity, 32]
-    return both.permute(0, 1, 4, 2, 3).reshape(n, k)
-
-
-def int4_dense(w: Int4Weight) -> torch.Tensor:
-    """The weight decoded to bfloat16 [N, K] (needs `w.unpackable`)."""
-    n, k, gs = w.out_features, w.in_features, w.group_size
-    q = _unpack_cpu(w.packed, n, k).view(n, k // gs, gs).to(COMPUTE_DTYPE) - 8  # [N, G, gs]
-    scale = w.scales_zeros[..., 0].t().unsqueeze(-1)  # [N, G, 1]
-    zero = w.scales_zeros[..., 1].t().unsqueeze(-1)
-    return (q * scale + zero).view(n, k)
-
-
 def int4_matmul(x: torch.Tensor, w: Int4Weight) -> torch.Tensor:
     """x [..., K] -> x W^T [..., N] in x's dtype."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, w.in_features).to(COMPUTE_DTYPE)  # [M, K]
-    if x2.shape[0] >= DENSE_MIN_ROWS and w.unpackable:
-        y = torch.nn.functional.linear(x2, int4_dense(w))  # [M, N], bf16 matmul
-    else:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x2, w.packed, w.group_size, w.scales_zeros
-        )  # [M, N]
+    y = torch.ops.aten._weight_int4pack_mm_for_cpu(
+        x2, w.packed, w.group_size, w.scales_zeros
+    )  # [M, N]
     return y.to(x.dtype).reshape(*lead, w.out_features)
 
 
