@@ -12,6 +12,7 @@ from pathlib import Path
 
 import pyarrow.parquet as pq
 
+from batchgen.engine_faults import EngineFaultLog, summarize
 from batchgen.job_spec import JobSpec
 from batchgen.run_dir import RunDir, write_atomic
 
@@ -168,6 +169,7 @@ def build_report(
         "cluster_names": {str(k): v for k, v in (labels or {}).items()},
         "per_cluster": _per_cluster(run_dir, labels),
         "mean_distinct_experts": routing_by_cluster(run_dir).get("all"),
+        **summarize(EngineFaultLog(run_dir.path).events()),
         "generated": time.time(),
     }
     timeline = report["throughput"]
@@ -211,6 +213,7 @@ def render_markdown(report: dict) -> str:
             lines.append(f"| {k} | {v['count']:,} | {ids} | {msg} |")
     else:
         lines.append("No errors.")
+    lines += _engine_section(report)
     t = report["tokens"]
     lines += [
         "",
@@ -277,6 +280,25 @@ def render_markdown(report: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _engine_section(report: dict) -> list[str]:
+    restarts = report.get("engine_restarts", 0)
+    faults = report.get("engine_faults", [])
+    lines = ["", "## Engine", ""]
+    if not faults:
+        return lines + ["No engine faults."]
+    lines.append(
+        f"{restarts:,} engine restarts after {len(faults):,} faults (rows in flight at a "
+        "fault were run again; a row that failed alone became an `engine_error` row)."
+    )
+    lines += ["", "| time | event | row | error |", "|---|---|---|---|"]
+    for f in faults:
+        stamp = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(f["time"] or 0))
+        error = (f.get("error") or "").replace("|", "\\|")[:160]
+        row = f"`{f['id']}`" if f.get("id") is not None else "-"
+        lines.append(f"| {stamp} | {f['event']} | {row} | {error} |")
+    return lines
 
 
 def render_png(report: dict, path: Path) -> None:

@@ -26,6 +26,7 @@ class RunStats:
     completion_tokens: int = 0
     finish_reasons: Counter = field(default_factory=Counter)
     current_cluster: int | None = None
+    engine_restarts: int = 0  # engines rebuilt after a fault, this session
     started: float = field(default_factory=time.time)
     _window: deque = field(default_factory=deque)  # (time, prompt tok, completion tok)
 
@@ -102,4 +103,5 @@ class RunStats:
             "eta_s": None if eta is None else round(eta, 1),
             "elapsed_s": round(time.time() - self.started, 1),
             "current_cluster": self.current_cluster,
+            "engine_restarts": self.engine_restarts,
         }

@@ -20,8 +20,6 @@ import os
 from collections.abc import Collection
 from dataclasses import dataclass
 
-import torch
-
 ENV_VAR = "BATCHGEN_FAULT_INJECT"
 _KINDS = ("oom", "crash")
 _TRIGGERS = ("step", "row")
@@ -90,6 +88,10 @@ class FaultInjector:
 def _raise(fault: Fault, where: str) -> None:
     message = f"injected fault {fault.spec} ({ENV_VAR}) at {where}"
     if fault.kind == "oom":
+        # Imported here so that checking a spec (batchgen does, before any model is
+        # loaded) does not import torch.
+        import torch
+
         raise torch.OutOfMemoryError(f"CUDA out of memory: {message}")
     raise RuntimeError(message)
 
