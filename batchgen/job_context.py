@@ -77,6 +77,6 @@ def open_job(job: JobSpec, check_ids: bool = True) -> JobContext:
         job=job,
         input=source,
         carry_map=carry_map,
-        schema=result_schema(carry_fields),
+        schema=result_schema(carry_fields, source.id_type),
         total_rows=total,
     )

@@ -100,6 +100,17 @@ class ParquetInput:
         extra_id = [] if self.id_source == CONTENT_HASH else [self.id_source]
         self.read_columns = list(dict.fromkeys([*self.columns, *extra_id]))
 
+    @property
+    def id_type(self) -> pa.DataType:
+        """The type of the results' id column: an integer or string id column keeps its
+        type; content_hash ids, and ids of any other type, are written as their text."""
+        if self.id_source == CONTENT_HASH:
+            return pa.string()
+        kind = self.schema.field(self.id_source).type
+        if pa.types.is_integer(kind) or pa.types.is_string(kind) or pa.types.is_large_string(kind):
+            return kind
+        return pa.string()
+
     def value_columns(self) -> list[str]:
         """The columns a row carries (everything read except the id column)."""
         return [c for c in self.columns if c != self.id_source]

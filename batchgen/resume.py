@@ -1,5 +1,6 @@
 """Resuming a run: the job must still be the same job, committed ids are skipped, and
---retry-errors takes error rows back out of the results so they run again."""
+--retry-errors takes error rows back out of the results so they run again. (What counts as
+committed is settled first by run_dir_check.reconcile.)"""
 
 from __future__ import annotations
 
@@ -9,12 +10,13 @@ import os
 import time
 from pathlib import Path
 
+import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from batchgen.job_spec import JobError, JobSpec
-from batchgen.run_dir import ManifestEntry, RunDir, write_atomic
-from batchgen.writer import write_part_file
+from batchgen.run_dir import RunDir, write_atomic
+from batchgen.writer import commit_part
 
 log = logging.getLogger(__name__)
 
@@ -86,21 +88,36 @@ def _jsonable(job: JobSpec) -> dict:
 
 
 def committed_ids(run_dir: RunDir) -> tuple[set[str], int, int]:
-    """Ids already in live parts, with their counts of ok and error result rows."""
+    """Ids already in live parts, as text (the reader's form: an int id 7 is "7"), with
+    their counts of ok and error result rows."""
     ids: set[str] = set()
     ok = error = 0
     for entry in run_dir.live_parts():
         table = pq.read_table(run_dir.results / entry.part, columns=["id"])
-        ids.update(table.column("id").to_pylist())
+        ids.update(str(v) for v in table.column("id").to_pylist())
         ok += entry.ok
         error += entry.error
     return ids, ok, error
 
 
-def take_back_errors(run_dir: RunDir, session: str) -> int:
+def schema_for_run(run_dir: RunDir, schema: pa.Schema) -> pa.Schema:
+    """The schema new parts are written with: the job's, except that the id column keeps
+    the type the run's committed parts already have, so all parts read as one dataset."""
+    live = run_dir.live_parts()
+    if not live:
+        return schema
+    committed = pq.read_schema(run_dir.results / live[0].part).field("id").type
+    if committed == schema.field("id").type:
+        return schema
+    log.info("ids are written as %s, as in the parts this run already committed", committed)
+    return schema.set(0, pa.field("id", committed, nullable=False))
+
+
+def take_back_errors(run_dir: RunDir, fingerprint: str, session: str) -> int:
     """--retry-errors: rewrite every live part that holds error rows without them, each
-    committed by a manifest line that `replaces` the old part. The error rows' ids are then
-    no longer committed and run again. Returns how many input rows will be retried."""
+    committed by a manifest line that `replaces` the old part, which then moves to
+    quarantine/. The error rows' ids are no longer committed and run again. Returns how
+    many input rows will be retried."""
     retried: set[str] = set()
     next_number = run_dir.next_part_number()
     for entry in run_dir.live_parts():
@@ -115,31 +132,11 @@ def take_back_errors(run_dir: RunDir, session: str) -> int:
         retried |= bad
         name = f"part-{next_number:05d}.parquet"
         next_number += 1
-        write_part_file(keep, run_dir.results / name)
-        run_dir.append_manifest(
-            ManifestEntry(
-                part=name,
-                rows=keep.num_rows,
-                ok=keep.num_rows,
-                error=0,
-                prompt_tokens=_sum(keep, "prompt_tokens", first_only=True),
-                completion_tokens=_sum(keep, "completion_tokens"),
-                time=time.time(),
-                session=session,
-                replaces=entry.part,
-            )
-        )
-    run_dir.remove_orphans()
+        commit_part(run_dir, keep, name, fingerprint, session, replaces=entry.part)
+        for old in (path, run_dir.errors / entry.part):
+            if old.exists():
+                run_dir.quarantine(old, f"replaced by {name} (--retry-errors)", session)
     return len(retried)
-
-
-def _sum(table, column: str, first_only: bool = False) -> int:
-    if table.num_rows == 0:
-        return 0
-    col = table.column(column)
-    if first_only:
-        col = pc.filter(col, pc.equal(table.column("n_index"), 0))
-    return int(pc.sum(col).as_py() or 0)
 
 
 def resume_command(job_path: str | Path) -> str:

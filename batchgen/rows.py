@@ -14,6 +14,8 @@ from typing import Any
 @dataclass(slots=True)
 class InputRow:
     seq: int  # position in the input, 0-based, across all files
+    # The id as text: one kind of key for sets, seeds and messages whatever the id
+    # column's type; the results' id column gets the input's type back (writer.typed_ids).
     id: str
     values: dict[str, Any]
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import signal
-import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass, field
@@ -24,10 +22,19 @@ from batchgen.planner import ClusterLabels, cluster_mode, log_cluster_mode, plan
 from batchgen.progress import Progress
 from batchgen.render import PromptRenderer
 from batchgen.report import write_report
-from batchgen.resume import check_run_dir, committed_ids, open_run_dir, take_back_errors
+from batchgen.resume import (
+    check_run_dir,
+    committed_ids,
+    open_run_dir,
+    schema_for_run,
+    take_back_errors,
+)
 from batchgen.rows import InputRow, PreparedRow, ResultRow
 from batchgen.run_dir import RunDir, new_session_id
+from batchgen.run_dir_check import reconcile
+from batchgen.run_lock import RunLock
 from batchgen.stats import RunStats
+from batchgen.stop_flag import StopFlag
 from batchgen.writer import PartWriter
 
 log = logging.getLogger(__name__)
@@ -126,20 +133,6 @@ class RunOutcome:
     stats: RunStats | None = None
 
 
-class _StopFlag:
-    """First Ctrl-C: stop feeding new rows, finish the ones running, write the part, exit 5.
-    A second Ctrl-C stops at once (the rows finished so far are still written)."""
-
-    def __init__(self) -> None:
-        self.requested = False
-
-    def handler(self, signum, frame) -> None:
-        if self.requested:
-            raise KeyboardInterrupt
-        self.requested = True
-        log.warning("interrupt: finishing the rows in flight, then writing the last part")
-
-
 @dataclass
 class _Pending:
     row: PreparedRow
@@ -184,7 +177,7 @@ class _Loop:
         self.labels = labels
         self.n = ctx.job.sampling.n
         self.pending: dict[int, _Pending] = {}
-        self.stop = _StopFlag()
+        self.stop = StopFlag()
         self.budget_rows = ctx.job.errors.budget * ctx.total_rows * self.n
         self.budget_exceeded = False
         self.fed_all = False
@@ -264,17 +257,15 @@ class _Loop:
     def run(self) -> str:
         """Drive the engine until the input is done, the budget is spent or Ctrl-C.
         Returns "done", "budget" or "interrupted"."""
-        in_main = threading.current_thread() is threading.main_thread()
-        previous = signal.signal(signal.SIGINT, self.stop.handler) if in_main else None
         try:
-            for out in self.llm.stream(self.requests()):
-                self.on_output(out)
+            # SIGINT or SIGTERM: finish the rows in flight within the grace period.
+            with self.stop.installed(graceful=True):
+                for out in self.llm.stream(self.requests()):
+                    self.on_output(out)
         except KeyboardInterrupt:
             self.stop.requested = True
         finally:
             self.writer.flush()
-            if in_main:
-                signal.signal(signal.SIGINT, previous)
         if self.budget_exceeded:
             return "budget"
         if self.stop.requested or not self.fed_all:
@@ -292,8 +283,34 @@ def run_job(
     progress: Progress | None = None,
 ) -> RunOutcome:
     """Run (or resume) a job. Raises JobError before writing anything if the job cannot
-    run; otherwise returns the exit code and a one-line summary."""
+    run (another run holding its output directory included), PartWriteError when the OS
+    refuses to write a part (resumable); otherwise returns the exit code and a one-line
+    summary."""
     ctx = open_job(job)
+    stop = StopFlag()  # reads BATCHGEN_STOP_GRACE_S: a bad value is refused before any work
+    # The lock is taken before the run directory is looked at and held to the end.
+    with RunLock(job.output.path), stop.installed(graceful=False):
+        try:
+            return _run_locked(ctx, job, job_path, new_run, retry_errors, llm, progress)
+        except KeyboardInterrupt:
+            # A signal outside generation (loading, clustering, the report): nothing was
+            # in flight, every committed part stands.
+            return RunOutcome(
+                EXIT_INTERRUPTED,
+                Path(job.output.path),
+                f"interrupted; committed rows are kept; resume with `batchgen run {job_path}`",
+            )
+
+
+def _run_locked(
+    ctx: JobContext,
+    job: JobSpec,
+    job_path: str | Path,
+    new_run: bool,
+    retry_errors: bool,
+    llm,
+    progress: Progress | None,
+) -> RunOutcome:
     check_run_dir(job, new_run)
     log_cluster_mode(job.batching)
     if llm is None:
@@ -303,10 +320,10 @@ def run_job(
 
     session = new_session_id()
     run_dir, archived = open_run_dir(job, new_run, job_path)
-    run_dir.remove_orphans()
+    reconcile(run_dir, job.fingerprint, session)
     run_dir.success.unlink(missing_ok=True)
     if retry_errors:
-        retried = take_back_errors(run_dir, session)
+        retried = take_back_errors(run_dir, job.fingerprint, session)
         log.info("--retry-errors: %d rows will run again", retried)
     done_ids, _, errors_before = committed_ids(run_dir)
 
@@ -327,7 +344,7 @@ def run_job(
     progress = progress or Progress(run_dir.progress_file)
     writer = PartWriter(
         run_dir,
-        ctx.schema,
+        schema_for_run(run_dir, ctx.schema),
         job.output.rows_per_part,
         model=getattr(llm, "model_name", job.model.path),
         fingerprint=job.fingerprint,

@@ -1,6 +1,7 @@
 """Result parts: an explicit Arrow schema, written as tmp file -> fsync -> rename, then one
-manifest line. Errors are mirrored to errors/ before the manifest line, so a committed part
-always has its mirror."""
+manifest line with the file's size and sha256. Errors are mirrored to errors/ before the
+manifest line, so a committed part always has its mirror. Each part carries its own
+manifest line and the job fingerprint in its Parquet metadata (see part_check.py)."""
 
 from __future__ import annotations
 
@@ -12,12 +13,15 @@ from collections.abc import Callable, Iterable
 from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from batchgen.part_check import METADATA_KEY, file_checksum, part_metadata
 from batchgen.rows import ResultRow
-from batchgen.run_dir import ManifestEntry, RunDir, fsync_dir
+from batchgen.run_dir import ManifestEntry, RunDir, fsync_dir, tmp_name
 
 RESULT_FIELDS = [
+    # The id's type is the input id column's (see result_schema); string is the default.
     pa.field("id", pa.string(), nullable=False),
     pa.field("n_index", pa.int32(), nullable=False),
     pa.field("status", pa.string(), nullable=False),
@@ -41,20 +45,110 @@ def output_column_for(input_column: str) -> str:
     return f"input_{input_column}" if input_column in RESERVED_COLUMNS else input_column
 
 
-def result_schema(carry_fields: list[pa.Field]) -> pa.Schema:
-    return pa.schema(RESULT_FIELDS + carry_fields)
+def result_schema(carry_fields: list[pa.Field], id_type: pa.DataType | None = None) -> pa.Schema:
+    fields = list(RESULT_FIELDS)
+    if id_type is not None:
+        fields[0] = pa.field("id", id_type, nullable=False)
+    return pa.schema(fields + carry_fields)
 
 
-def write_part_file(table: pa.Table, path: Path) -> None:
+def typed_ids(ids: list[str], id_type: pa.DataType) -> list:
+    """Rows carry their id as text (one kind of key for sets and seeds); the result column
+    gets the input's integer type back. str(int) -> int round-trips exactly."""
+    if pa.types.is_integer(id_type):
+        return [int(i) for i in ids]
+    return ids
+
+
+class PartWriteError(Exception):
+    """The OS refused a write of a part or its manifest line (disk full, I/O error,
+    permission). Nothing of that part was committed and no temporary file is left; the
+    run resumes once the cause is fixed."""
+
+    def __init__(self, path: Path, cause: OSError):
+        self.path = path
+        self.cause = cause
+        reason = f"[Errno {cause.errno}] {cause.strerror}" if cause.errno else str(cause)
+        super().__init__(f"writing {path} failed: {reason}")
+
+
+def write_part_file(table: pa.Table, path: Path) -> tuple[int, str]:
     """Write a Parquet part durably: tmp file -> fsync -> rename -> fsync the directory, so
-    a kill -9 leaves either the whole part or an orphan tmp file, never a torn part."""
-    tmp = path.with_name(f".{path.name}.tmp")
-    with open(tmp, "wb") as f:
-        pq.write_table(table, f, compression="zstd")
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    a kill -9 leaves either the whole part or a tmp file, never a torn part. Returns the
+    file's size and checksum. An OS error removes the tmp file and raises PartWriteError."""
+    tmp = tmp_name(path)
+    try:
+        with open(tmp, "wb") as f:
+            pq.write_table(table, f, compression="zstd")
+            f.flush()
+            os.fsync(f.fileno())
+        # Hashed from the tmp file before the rename: the manifest's checksum is of what
+        # the disk holds (the page cache makes this read cheap).
+        size, checksum = tmp.stat().st_size, file_checksum(tmp)
+        os.replace(tmp, path)
+        fsync_dir(path.parent)
+    except BaseException as exc:
+        tmp.unlink(missing_ok=True)
+        if isinstance(exc, OSError):
+            raise PartWriteError(path, exc) from exc
+        raise
+    return size, checksum
+
+
+def _sum(table: pa.Table, column: str, mask=None) -> int:
+    col = table.column(column) if mask is None else pc.filter(table.column(column), mask)
+    return int(pc.sum(col).as_py() or 0) if len(col) else 0
+
+
+def entry_for(
+    table: pa.Table, name: str, session: str, replaces: str | None = None
+) -> ManifestEntry:
+    """The manifest line of a part holding `table` (size and checksum come once it is
+    written)."""
+    ok = int(pc.sum(pc.equal(table.column("status"), "ok")).as_py() or 0)
+    return ManifestEntry(
+        part=name,
+        rows=table.num_rows,
+        ok=ok,
+        error=table.num_rows - ok,
+        prompt_tokens=_sum(table, "prompt_tokens", pc.equal(table.column("n_index"), 0)),
+        completion_tokens=_sum(table, "completion_tokens"),
+        time=time.time(),
+        session=session,
+        replaces=replaces,
+    )
+
+
+def commit_part(
+    run_dir: RunDir,
+    table: pa.Table,
+    name: str,
+    fingerprint: str,
+    session: str,
+    replaces: str | None = None,
+) -> ManifestEntry:
+    """Write `table` as results/<name> (and its error rows as errors/<name>), then append
+    its manifest line: the part counts from that line on. Raises PartWriteError."""
+    entry = entry_for(table, name, session, replaces)
+    metadata = {**(table.schema.metadata or {}), **part_metadata(entry, fingerprint)}
+    entry.bytes, entry.checksum = write_part_file(
+        table.replace_schema_metadata(metadata), run_dir.results / name
+    )
+    if entry.error:
+        write_error_mirror(run_dir, table, name)
+    try:
+        run_dir.append_manifest(entry)
+    except OSError as exc:
+        raise PartWriteError(run_dir.manifest, exc) from exc
+    return entry
+
+
+def write_error_mirror(run_dir: RunDir, table: pa.Table, name: str) -> None:
+    """errors/<name>: the error rows of part <name>, a copy for a quick look (never read
+    back as results, so without the part's own metadata)."""
+    errors = table.filter(pc.not_equal(table.column("status"), "ok"))
+    kept = {k: v for k, v in (errors.schema.metadata or {}).items() if k != METADATA_KEY}
+    write_part_file(errors.replace_schema_metadata(kept), run_dir.errors / name)
 
 
 class PartWriter:
@@ -90,6 +184,9 @@ class PartWriter:
         self._held: list[tuple[int, int, ResultRow]] = []  # heap of (seq, n_index, row)
         self._next_part = run_dir.next_part_number()
         self.parts_written: list[str] = []
+        # Set by the first failed write; the writer then writes nothing more (what it
+        # holds was never committed and runs again on resume).
+        self.failed: PartWriteError | None = None
 
     def expect(self, seq: int) -> None:
         if self.in_input_order:
@@ -98,6 +195,8 @@ class PartWriter:
     def add(self, rows: Iterable[ResultRow]) -> None:
         """Add all the result rows of one input row (its n completions) together, so a
         row is always committed whole."""
+        if self.failed is not None:
+            raise self.failed
         if not self.in_input_order:
             self.buffer.extend(rows)
         else:
@@ -117,7 +216,10 @@ class PartWriter:
                 self.buffer.append(heapq.heappop(self._held)[2])
 
     def flush(self) -> None:
-        """Write what is buffered as a (possibly short) part."""
+        """Write what is buffered as a (possibly short) part (nothing after a failed
+        write)."""
+        if self.failed is not None:
+            return
         if self.in_input_order:
             # At the end (or on interrupt) rows still held are written in order anyway;
             # their missing predecessors were never sent and will be redone on resume.
@@ -128,9 +230,17 @@ class PartWriter:
             self._write_part(self.buffer)
             self.buffer = []
 
+    def commit_ready(self) -> None:
+        """Write the rows released so far as a (possibly short) part; rows held for input
+        order stay held (their predecessors are still running). After an engine fault,
+        so that what finished is on disk before the engine is rebuilt."""
+        if self.failed is None and self.buffer:
+            self._write_part(self.buffer)
+            self.buffer = []
+
     def _table(self, rows: list[ResultRow]) -> pa.Table:
         columns = {
-            "id": [r.id for r in rows],
+            "id": typed_ids([r.id for r in rows], self.schema.field("id").type),
             "n_index": [r.n_index for r in rows],
             "status": [r.status for r in rows],
             "text": [r.text for r in rows],
@@ -151,22 +261,13 @@ class PartWriter:
     def _write_part(self, rows: list[ResultRow]) -> None:
         name = f"part-{self._next_part:05d}.parquet"
         self._next_part += 1
-        table = self._table(rows)
-        write_part_file(table, self.run_dir.results / name)
-        errors = [r for r in rows if not r.ok]
-        if errors:
-            write_part_file(self._table(errors), self.run_dir.errors / name)
-        entry = ManifestEntry(
-            part=name,
-            rows=len(rows),
-            ok=len(rows) - len(errors),
-            error=len(errors),
-            prompt_tokens=sum(r.prompt_tokens for r in rows if r.n_index == 0),
-            completion_tokens=sum(r.completion_tokens for r in rows),
-            time=time.time(),
-            session=self.session,
-        )
-        self.run_dir.append_manifest(entry)
+        try:
+            entry = commit_part(
+                self.run_dir, self._table(rows), name, self.fingerprint, self.session
+            )
+        except PartWriteError as exc:
+            self.failed = exc
+            raise
         self.parts_written.append(name)
         if self.on_commit is not None:
             self.on_commit(entry)

@@ -1,4 +1,5 @@
-"""`batchgen report RUN_DIR`: rebuild and print a run's report (finished or not)."""
+"""`batchgen report RUN_DIR`: rebuild and print a run's report (finished or not);
+`--verify` checks the run directory instead, changing nothing."""
 
 from __future__ import annotations
 
@@ -10,15 +11,30 @@ import click
 
 @click.command("report")
 @click.argument("run_dir", type=click.Path(file_okay=False))
-def report_cmd(run_dir: str) -> None:
+@click.option(
+    "--verify",
+    is_flag=True,
+    help="Check every committed part against its manifest line (size, checksum) and "
+    "report damaged, missing or stray files; exit 2 if any. Changes nothing.",
+)
+def report_cmd(run_dir: str, verify: bool) -> None:
     """Rebuild report.json/.md/.png of RUN_DIR from its results and print report.md."""
-    from batchgen.report import render_markdown, write_report
     from batchgen.run_dir import RunDir
 
     rd = RunDir(run_dir)
     if not rd.exists():
         click.echo(f"error: {run_dir} is not a batchgen run directory (no job.json)", err=True)
         sys.exit(2)
+    if verify:
+        from batchgen.run_dir_check import verify as verify_run
+
+        lines, whole = verify_run(rd)
+        for line in lines:
+            click.echo(line)
+        sys.exit(0 if whole else 2)
+
+    from batchgen.report import render_markdown, write_report
+
     previous = rd.path / "report.json"
     exit_code = total = None
     if previous.exists():

@@ -3,6 +3,7 @@ within the budget, 4 budget exceeded, 5 interrupted (rerun to resume), 2 job ref
 
 from __future__ import annotations
 
+import errno
 import logging
 import sys
 
@@ -10,11 +11,21 @@ import click
 
 from batchgen.job_spec import JobError, load_job
 
+# OS errors a run stops on and resumes after, once the cause is fixed (space freed, disk
+# remounted); committed parts are intact (tmp -> fsync -> rename).
+_RESUMABLE_ERRNOS = {errno.ENOSPC, errno.EDQUOT, errno.EFBIG, errno.EIO, errno.EROFS}
+
 
 def setup_logging() -> None:
     logging.basicConfig(
         level=logging.INFO, format="%(asctime)s %(levelname)s %(message)s", stream=sys.stderr
     )
+
+
+def _os_error_line(exc: Exception) -> str:
+    if isinstance(exc, OSError) and exc.filename:
+        return f"writing {exc.filename} failed: [Errno {exc.errno}] {exc.strerror}"
+    return str(exc)
 
 
 def refuse(exc: JobError) -> None:
@@ -36,8 +47,9 @@ def refuse(exc: JobError) -> None:
 def run_cmd(job_file: str, new_run: bool, retry_errors: bool, progress_interval: float) -> None:
     """Run JOB_FILE; the same command after a crash resumes where it stopped."""
     from batchgen.progress import Progress
-    from batchgen.run import run_job
+    from batchgen.run import EXIT_INTERRUPTED, run_job
     from batchgen.run_dir import RunDir
+    from batchgen.writer import PartWriteError
 
     setup_logging()
     try:
@@ -48,6 +60,15 @@ def run_cmd(job_file: str, new_run: bool, retry_errors: bool, progress_interval:
         )
     except JobError as exc:
         refuse(exc)
+    except (PartWriteError, OSError) as exc:
+        if isinstance(exc, OSError) and exc.errno not in _RESUMABLE_ERRNOS:
+            raise
+        click.echo(
+            f"error: {_os_error_line(exc)}; committed parts are intact: fix the cause and "
+            f"resume with `batchgen run {job_file}`",
+            err=True,
+        )
+        sys.exit(EXIT_INTERRUPTED)
     click.echo(outcome.message)
     sys.exit(outcome.exit_code)
 

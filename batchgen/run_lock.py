@@ -1,0 +1,83 @@
+"""One run at a time per output directory: an exclusive `flock` held for the whole run.
+
+The lock file sits beside the run directory, `<parent>/.<name>.lock`, not inside it:
+`--new-run` renames the run directory aside, and a lock file inside would move with it,
+leaving the fresh directory unlocked for a moment. Beside it, one path guards the name
+whatever is renamed under it. The OS drops a flock when its process dies, so a `kill -9`
+never leaves a stale lock; the file itself stays (removing a lock file while another
+process may be opening it would let two processes hold "the" lock).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import json
+import os
+import socket
+import time
+from pathlib import Path
+
+from batchgen.job_spec import JobError
+
+
+def lock_path(run_path: str | Path) -> Path:
+    run = Path(os.path.abspath(run_path))
+    return run.with_name(f".{run.name}.lock")
+
+
+class RunLock:
+    """`with RunLock(output.path):` holds the run's lock or raises JobError naming the
+    process that holds it."""
+
+    def __init__(self, run_path: str | Path):
+        self.run_path = Path(run_path)
+        self.path = lock_path(run_path)
+        self._fd: int | None = None
+
+    def __enter__(self) -> RunLock:
+        self.acquire()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.release()
+
+    def acquire(self) -> None:
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = _describe(_read_holder(fd))
+            os.close(fd)
+            raise JobError(
+                f"output.path: {self.run_path} is in use by another batchgen run ({holder}); "
+                f"wait for it to finish or stop it (lock file {self.path})"
+            ) from None
+        except OSError:
+            os.close(fd)
+            raise
+        # Who holds it, for the message a second run prints.
+        holder = {"pid": os.getpid(), "host": socket.gethostname(), "since": time.time()}
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, json.dumps(holder).encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is not None:
+            os.close(self._fd)  # closing the only descriptor drops the flock
+            self._fd = None
+
+
+def _read_holder(fd: int) -> dict:
+    try:
+        return json.loads(os.pread(fd, 4096, 0) or b"{}")
+    except (OSError, ValueError):
+        return {}
+
+
+def _describe(holder: dict) -> str:
+    if "pid" not in holder:
+        return "its holder has not written its name yet"
+    since = holder.get("since")
+    started = time.strftime("%Y-%m-%d %H:%M:%S", time.localtime(since)) if since else "?"
+    return f"pid {holder['pid']} on host {holder.get('host', '?')}, since {started}"
