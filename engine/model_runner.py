@@ -85,6 +85,13 @@ class ModelRunner:
                 )
             else:
                 budget = min(2 << 30, int(psutil.virtual_memory().available * 0.25))
+                # Never more than max_num_seqs sequences of max_model_len tokens can hold:
+                # a small model gets the megabytes it can use, not 2 GiB of zeros to write
+                # (and to keep resident) on every start.
+                tokens = self.max_model_len + 1 + self.config.speculative_tokens
+                blocks_per_seq = -(-tokens // self.block_size)
+                usable = self.config.max_num_seqs * blocks_per_seq * self.block_size * per_token
+                budget = min(budget, usable)
         num_blocks = budget // (per_token * self.block_size)
         if num_blocks < 2:
             raise ValueError(
