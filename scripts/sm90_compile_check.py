@@ -88,7 +88,7 @@ MLA_DIVISIBLE = frozenset({"stride_qcb", "stride_qch", "stride_qrb", "stride_qrh
 
 # fp8_gemv_kernel's optional forms, off (a constexpr left out here would compile as a
 # runtime argument, both branches kept)
-GEMV_PLAIN = dict(SWIGLU=False, ACCUMULATE=False, PRENORM=False, NORM_BLOCK=128)
+GEMV_PLAIN = dict(PRENORM=False, NORM_BLOCK=128)
 
 
 def main() -> None:
@@ -142,14 +142,6 @@ def main() -> None:
                     BIT_DECODE=False, **GEMV_PLAIN)  # fmt: skip
         compile_report(f"fp8_gemv {bn} x {bk} split={split} warps={warps}",
                        _fp8_linear_kernels.fp8_gemv_kernel, gemv_ptrs, meta, warps, 1,
-                       frozenset({"K", "stride_xm", "stride_wn"}))  # fmt: skip
-    # the shared expert on the GEMV path: gate+up (bf16 out), down (SwiGLU in, float32 added)
-    for label, swiglu, acc, y in (("shared gate+up", False, False, "*bf16"),
-                                  ("shared down", True, True, "*fp32")):  # fmt: skip
-        meta = dict(SCALE_E8M0=False, M_PAD=1, BLOCK_N=16, BLOCK_K=256, VEC=16, SPLIT_K=4,
-                    BIT_DECODE=False, **dict(GEMV_PLAIN, SWIGLU=swiglu, ACCUMULATE=acc))  # fmt: skip
-        compile_report(f"fp8_gemv {label}", _fp8_linear_kernels.fp8_gemv_kernel,
-                       dict(gemv_ptrs, y_ptr=y), meta, 4, 1,
                        frozenset({"K", "stride_xm", "stride_wn"}))  # fmt: skip
     # q/kv_a with the input RMSNorm inside (x: the MoE's float32 accumulator), 1 and 8 rows
     for m_pad in (1, 8):

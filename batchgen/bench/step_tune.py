@@ -95,21 +95,9 @@ def _shared_down_tiles(best: dict) -> list[dict]:
 
 
 def _shared_gate_up_tiles(best: dict) -> list[dict]:
-    if best.get("KERNEL") == "gemv":  # rows per program and K splits of the GEMV
-        return [dict(best, BLOCK_N=bn, SPLIT_K=sk) for bn in (8, 16, 32) for sk in (1, 2, 4)]
     # K splits (arrival counters; the SWAP_AB tile only) and rows per program
     splits = [dict(best, GU_SPLIT_K=g) for g in (1, 2, 4, 8)] if best.get("SWAP_AB") else []
     return splits + [dict(best, BLOCK_N=bn) for bn in (32, 64, 128)]
-
-
-def _shared_gemv(best: dict) -> list[dict]:
-    # An FP8 shared expert as two GEMVs (fused_moe.dense_config), with the tile the FP8
-    # linear's table holds for one row of Moonlight's attention matrices (16 x 256)
-    return [
-        dict(KERNEL="gemv", BLOCK_N=16, BLOCK_K=256, VEC=16, SPLIT_K=gu, num_warps=4,
-             DOWN={"BLOCK_N": 16, "SPLIT_K": dn})
-        for gu, dn in ((1, 4), (2, 4), (4, 4), (2, 8))
-    ]  # fmt: skip
 
 
 def _int8_prefetch(best: dict) -> list[dict]:
@@ -137,11 +125,8 @@ def _mma_down_splits(best: dict) -> list[dict]:
 def candidate_stages(entry: MoeEntry, base: dict, bucket: int) -> list:
     """Stages of candidates, each a function of the best config so far -> configs to time.
     Kept small: each costs a graph capture (and a compile where the tile is new)."""
-    from kernels.triton.fp8_linear import GEMV_MAX_M
-
     if entry.role == "shared":
-        gemv = [_shared_gemv] if entry.fmt == "fp8" and bucket <= GEMV_MAX_M else []
-        return gemv + [_shared_down_tiles, _shared_gate_up_tiles]
+        return [_shared_down_tiles, _shared_gate_up_tiles]
     if base.get("KERNEL") == "int8":
         return [_int8_prefetch, _int8_tiles, _int8_down_tiles]
     return [_mma_tiles, _mma_down_splits]

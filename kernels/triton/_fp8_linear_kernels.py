@@ -168,11 +168,11 @@ def splitk_reduce_kernel(
 @triton.jit
 def fp8_gemv_kernel(
     # pointers
-    x_ptr,  # [M, K] bf16/fp16, M <= M_PAD ([M, 2K] gate | up when SWIGLU)
+    x_ptr,  # [M, K] bf16/fp16 (or float32 when PRENORM), M <= M_PAD
     w_ptr,  # [N, K] E4M3 codes (an int8 view when BIT_DECODE)
     ws_ptr,  # [ceil(N/128), ceil(K/128)] float32 or E8M0 uint8
-    y_ptr,  # [M, N] x's dtype, or float32 added into (ACCUMULATE)
-    part_ptr,  # [SPLIT_K, M, N] float32 partial sums (SPLIT_K > 1 and not ACCUMULATE)
+    y_ptr,  # [M, N] x's dtype (the residual's when PRENORM)
+    part_ptr,  # [SPLIT_K, M, N] float32 partial sums (SPLIT_K > 1)
     count_ptr,  # [cdiv(N, BLOCK_N)] int32 arrival counters, zero on entry and on exit
     res_ptr,  # [M, K] the residual stream (PRENORM)
     norm_w_ptr,  # [K] the RMSNorm's weight (PRENORM)
@@ -196,8 +196,6 @@ def fp8_gemv_kernel(
     VEC: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BIT_DECODE: tl.constexpr,
-    SWIGLU: tl.constexpr = False,
-    ACCUMULATE: tl.constexpr = False,
     PRENORM: tl.constexpr = False,
     NORM_BLOCK: tl.constexpr = 128,
 ):
@@ -214,12 +212,6 @@ def fp8_gemv_kernel(
     SPLIT_K > 1: each program stores its float32 partial, then counts itself in; the last
     of a row block's SPLIT_K programs sums the partials in split order (deterministic) and
     writes y, all in this one launch (no zero-fill, no reduce launch).
-
-    SWIGLU: the rows of x are [gate | up] (2K wide) and the product takes SiLU(gate) * up,
-    rounded to x's dtype as a separate activation would be (a SwiGLU MLP's down projection
-    straight from its gate+up output). ACCUMULATE: y is float32 and each program adds its
-    (partial) product into it with atomics, no partials or counters (the fused MoE's
-    accumulator, which the routed experts add into too).
 
     PRENORM: x is the float32 sum a residual block produced (the MoE's accumulator) and the
     product takes RMSNorm(x + residual) as kernels/triton/rmsnorm.py forms it: the sum
@@ -291,10 +283,6 @@ def fp8_gemv_kernel(
         kx = k_chunk[None, :, None] + offs_v[None, None, :]  # [1, CHUNKS, VEC]
         mask_x = mask_m[:, None, None] & (kx < K)
         xk = tl.load(x_rows + kx, mask=mask_x, other=0.0)
-        if SWIGLU:
-            up = tl.load(x_rows + K + kx, mask=mask_x, other=0.0).to(tl.float32)
-            gate = xk.to(tl.float32)
-            xk = (gate * tl.sigmoid(gate) * up).to(x_ptr.dtype.element_ty)
         if PRENORM:
             h = xk.to(tl.float32) + tl.load(res_rows + kx, mask=mask_x, other=0.0).to(tl.float32)
             h = h.to(res_out_ptr.dtype.element_ty)
@@ -323,9 +311,7 @@ def fp8_gemv_kernel(
 
     mask_y = mask_m[:, None] & mask_n[None, :]
     y_ptrs = y_ptr + offs_m[:, None] * stride_ym + offs_n[None, :]
-    if ACCUMULATE:
-        tl.atomic_add(y_ptrs, y, mask=mask_y, sem="relaxed")
-    elif SPLIT_K == 1:
+    if SPLIT_K == 1:
         tl.store(y_ptrs, y.to(y_ptr.dtype.element_ty), mask=mask_y)
     else:
         mn = offs_m[:, None] * N + offs_n[None, :]

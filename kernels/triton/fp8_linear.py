@@ -20,10 +20,7 @@ partials are summed by one small launch.
 The config (tuned table, else `default_config`) picks the kernel: "KERNEL": "gemv" or
 "dot" (tables written before the GEMV existed have no key and mean "dot").
 
-`fp8_gemv` is the GEMV on its own, with two more forms for a SwiGLU MLP at decode sizes
-(the fused MoE's shared expert): its input may be a [gate | up] row taken as
-SiLU(gate) * up, and its product may be added into a float32 accumulator.
-`fp8_gemv_rmsnorm` takes RMSNorm(x + residual) as its input instead (a decoder layer's
+`fp8_gemv` is the GEMV on its own; `fp8_gemv_rmsnorm` takes RMSNorm(x + residual) as its input instead (a decoder layer's
 input norm and first projection in one launch).
 """
 
@@ -206,26 +203,13 @@ def fp8_block_linear(
 
 
 def fp8_gemv(
-    x: torch.Tensor,
-    weight: torch.Tensor,
-    scale: torch.Tensor,
-    config: dict,
-    out: torch.Tensor | None = None,
-    swiglu: bool = False,
-    lane: str = "main",
+    x: torch.Tensor, weight: torch.Tensor, scale: torch.Tensor, config: dict
 ) -> torch.Tensor:
-    """out [M, N] = act(x) @ dequant(weight)^T through fp8_gemv_kernel (M <= GEMV_MAX_M),
-    act(x) = x [M, K], or with `swiglu` SiLU(x[:, :K]) * x[:, K:] of x [M, 2K]. `out`
-    None: a new tensor in x's dtype; else a float32 [M, N] the product is added into
-    (atomics). `config`: a GEMV config (default_gemv_config's keys). `lane`: the arrival
-    counters' lane (_arrival_counters), for launches that may run beside the main
-    stream's."""
+    """[M, N] = x [M, K] @ dequant(weight)^T in x's dtype, through fp8_gemv_kernel
+    (M <= GEMV_MAX_M). `config`: a GEMV config (default_gemv_config's keys)."""
     k = weight.shape[1]
-    assert x.shape[1] == (2 * k if swiglu else k), (
-        f"x has {x.shape[1]} columns; weight [N={weight.shape[0]}, K={k}] wants "
-        f"{2 * k if swiglu else k}" + (" (gate | up)" if swiglu else "")
-    )
-    return _gemv(x, weight, scale, config, out, swiglu, lane)
+    assert x.shape[1] == k, f"x has {x.shape[1]} columns; weight [N={weight.shape[0]}, K={k}]"
+    return _gemv(x, weight, scale, config)
 
 
 def fp8_gemv_rmsnorm(
@@ -255,25 +239,18 @@ def fp8_gemv_rmsnorm(
         f"norm weight {list(norm_weight.shape)} and weight {list(weight.shape)} vs K={k}"
     )
     new_residual = torch.empty_like(residual)
-    out = _gemv(x, weight, scale, config, None, False, "main",
-                (residual, norm_weight, eps, new_residual))  # fmt: skip
+    out = _gemv(x, weight, scale, config, (residual, norm_weight, eps, new_residual))
     return out, new_residual
 
 
-def _gemv(x, weight, scale, config, out, swiglu, lane, norm=None) -> torch.Tensor:
+def _gemv(x, weight, scale, config, norm=None) -> torch.Tensor:
     """fp8_gemv_kernel's launch; `norm` (residual, weight, eps, residual out) or None."""
     m = x.shape[0]
     n, k = weight.shape
     assert x.stride(-1) == 1 and weight.stride(-1) == 1, "x and weight must be row-major"
     assert m <= GEMV_MAX_M, f"the GEMV kernel takes M <= {GEMV_MAX_M}, got {m}"
-    accumulate = out is not None
-    if accumulate:
-        assert out.dtype == torch.float32 and out.shape == (m, n) and out.stride(-1) == 1, (
-            f"out must be a row-major float32 [{m}, {n}], got {out.dtype} {list(out.shape)}"
-        )
-    else:
-        dtype = norm[0].dtype if norm is not None else x.dtype
-        out = torch.empty((m, n), dtype=dtype, device=x.device)
+    dtype = norm[0].dtype if norm is not None else x.dtype
+    out = torch.empty((m, n), dtype=dtype, device=x.device)
     block_n, block_k, vec = config["BLOCK_N"], config["BLOCK_K"], config.get("VEC", 16)
     assert 128 % vec == 0 and block_k % vec == 0, (
         f"VEC must divide 128 and BLOCK_K, got VEC={vec}, BLOCK_K={block_k}"
@@ -282,11 +259,11 @@ def _gemv(x, weight, scale, config, out, swiglu, lane, norm=None) -> torch.Tenso
     k_steps = triton.cdiv(k, block_k)
     # Splits take cdiv(k_steps, SPLIT_K) steps each; drop the ones that would get none.
     split = triton.cdiv(k_steps, triton.cdiv(k_steps, max(1, min(config["SPLIT_K"], k_steps))))
-    if split > 1 and not accumulate:
+    if split > 1:
         part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counts = arrival_counters(x.device, n_tiles, lane)
+        counts = arrival_counters(x.device, n_tiles)
     else:
-        part = counts = out  # unused: one split, or every split adds into out
+        part = counts = out  # unused: one split writes out directly
     residual, norm_weight, eps, new_residual = norm if norm is not None else (out, out, 0.0, out)
     bit_decode = bool(config.get("BIT_DECODE", False))
     codes = weight.view(torch.int8) if bit_decode else weight
@@ -300,8 +277,6 @@ def _gemv(x, weight, scale, config, out, swiglu, lane, norm=None) -> torch.Tenso
         BLOCK_N=block_n, BLOCK_K=block_k, VEC=vec,
         SPLIT_K=split,
         BIT_DECODE=bit_decode,
-        SWIGLU=swiglu,
-        ACCUMULATE=accumulate,
         PRENORM=norm is not None,
         # the rms pass's row chunk: ~2K values per array in flight over the M rows
         NORM_BLOCK=max(128, min(next_pow2(k), 2048 // m_pad)),

@@ -17,8 +17,7 @@ P = T*A (token, expert) pairs.
      its next step is the fused RMSNorm's residual add.
 A shared expert (DeepSeek's, unweighted) adds two launches of the same kernels in DENSE
 mode (every row is one token, one expert, no alignment), accumulating into the same y, so
-`routed + shared` costs no add either. An FP8 shared expert at up to 8 tokens may instead
-run as two FP8 GEMVs (a table entry's "KERNEL": "gemv", see dense_config).
+`routed + shared` costs no add either.
 
 Weights: "bf16" (or fp16) stacked tensors; "fp8": E4M3 codes with 128x128 block scales per
 expert ([E, ceil(N/128), ceil(K/128)], float32 or E8M0 uint8); "mxfp4": packed uint8
@@ -63,7 +62,6 @@ from kernels.triton._moe_int8_kernels import (
     moe_down_int8_kernel,
     moe_gate_up_int8_kernel,
 )
-from kernels.triton.fp8_linear import GEMV_MAX_M, fp8_gemv
 from kernels.triton.moe_align import moe_align
 from kernels.triton.moe_prologue import MoePrologue
 
@@ -96,7 +94,7 @@ class PendingSharedExpert:
 
     shared: SharedExpert
     stream: torch.cuda.Stream
-    h: torch.Tensor  # its gate+up output ([T, Is], or [T, 2 Is] on the GEMV path), on `stream`
+    h: torch.Tensor  # its gate+up output [T, Is], on `stream`
 
     def join(self) -> None:
         """The caller's stream waits for the side stream (idempotent)."""
@@ -120,13 +118,9 @@ def dense_config(num_tokens: int, d: int, i: int, fmt: str, device=None) -> dict
     """Shared-expert launches at decode sizes (the caller keeps larger T on cuBLAS): the
     tuned entry for one expert taken by every token (`bench kernels` times it as a routed
     MoE of E=1, A=1: the same tiles), else narrow N tiles so a single expert's rows still
-    spread over ~1 wave of programs. An FP8 shared expert's entry may instead be "KERNEL":
-    "gemv" (up to GEMV_MAX_M tokens): its gate+up and down run as FP8 GEMVs
-    (fp8_linear.fp8_gemv, DOWN holding the down's own GEMV tile), meant to hold fewer SMs
-    for less time beside the routed experts' kernels. On the H200 `bench step-tune` did
-    not choose it (batch 1 1.938 against 1.927 ms per step; docs/notes-gpu-engine.md, v14)."""
+    spread over ~1 wave of programs."""
     tuned = configs.lookup(OP, shape_key(num_tokens, 1, 1, d, i, fmt), device)
-    if tuned is not None and (tuned.get("KERNEL") != "gemv" or num_tokens <= GEMV_MAX_M):
+    if tuned is not None:
         return tuned
     block_m, block_n = (16, 16) if num_tokens <= 16 else (32, 32)
     block_k = {"bf16": 64, "fp8": 128, "mxfp4": 128}[fmt]
@@ -359,8 +353,6 @@ def choose_config(
     """The launch config of a fused_moe call: `config` if given, else the tuned table's
     entry for the shape on this device, else the heuristic; checked for the format."""
     cfg = config or configs.lookup(OP, shape_key(t, top_k, e, d, i, fmt), device)
-    if config is None and cfg is not None and cfg.get("KERNEL") == "gemv":
-        cfg = None  # the shared expert's entry (dense_config); a routed E=1 call of its key
     cfg = dict(cfg) if cfg is not None else default_config(t * top_k, e, fmt)
     _check_config(cfg, fmt)
     return cfg
@@ -372,9 +364,7 @@ def choose_config(
 DOWN_KEYS = {
     "mma": {"BLOCK_N", "BLOCK_K", "num_warps", "num_stages", "SWAP_AB", "SPLIT_K"},
     "int8": {"BLOCK_N", "BLOCK_K", "num_warps", "PREFETCH"},
-    "gemv": {"BLOCK_N", "BLOCK_K", "VEC", "SPLIT_K", "BIT_DECODE", "num_warps"},
 }
-GEMV_KEYS = {"KERNEL", "BLOCK_N", "BLOCK_K", "VEC", "SPLIT_K", "BIT_DECODE", "num_warps", "DOWN"}
 
 
 def down_config(cfg: dict) -> dict:
@@ -390,21 +380,12 @@ def down_config(cfg: dict) -> dict:
 def _check_config(cfg: dict, fmt: str) -> None:
     """A config (given, tuned or heuristic) the kernels can run for this weight format."""
     if "DOWN" in cfg:
-        kind = cfg.get("KERNEL") if cfg.get("KERNEL") in ("int8", "gemv") else "mma"
+        kind = "int8" if cfg.get("KERNEL") == "int8" else "mma"
         unknown = set(cfg["DOWN"]) - DOWN_KEYS[kind]
         assert not unknown, (
             f"DOWN may set {sorted(DOWN_KEYS[kind])} of the {kind} kernels, not {unknown}"
         )
         _check_config(down_config(cfg), fmt)
-    if cfg.get("KERNEL") == "gemv":
-        assert fmt == "fp8", f"the GEMV path takes an FP8 shared expert, not {fmt!r}"
-        unknown = set(cfg) - GEMV_KEYS
-        assert not unknown, f"a gemv config sets {sorted(GEMV_KEYS)}, not {unknown}"
-        vec = cfg.get("VEC", 16)
-        assert 128 % vec == 0 and cfg["BLOCK_K"] % vec == 0, (
-            f"gemv VEC must divide 128 and BLOCK_K, got VEC={vec}, BLOCK_K={cfg['BLOCK_K']}"
-        )
-        return
     if cfg.get("KERNEL") == "dequant":
         assert fmt == "mxfp4", f"a dequant config decodes MXFP4 experts, not {fmt!r}"
         _check_config({k: v for k, v in cfg.items() if k != "KERNEL"}, "bf16")
@@ -508,15 +489,11 @@ def _expert(scale: torch.Tensor | None) -> torch.Tensor | None:
 def _shared_gate_up(
     x: torch.Tensor, shared: SharedExpert, d: int, lane: str = "main"
 ) -> torch.Tensor:
-    """h [T, Is] = SiLU(gate) * up, or on the GEMV path [T, 2 Is] = [gate | up] (its down
-    applies the SiLU as it loads them)."""
+    """h [T, Is] = SiLU(gate) * up of the shared expert."""
     t = x.shape[0]
     i = _check_shared(shared, d)
     cfg = dense_config(t, d, i, shared.fmt, x.device)
     _check_config(cfg, shared.fmt)
-    if cfg.get("KERNEL") == "gemv":
-        gate_up = {k: v for k, v in cfg.items() if k != "DOWN"}
-        return fp8_gemv(x, shared.w13, shared.w13_scale, gate_up, lane=lane)
     h = torch.empty((t, i), dtype=x.dtype, device=x.device)
     s13, *s13_strides = _scale_args(shared.w13, shared.w13_scale, expert_dim=False)
     tiles_m = triton.cdiv(t, cfg["BLOCK_M"])
@@ -537,9 +514,6 @@ def _shared_down(h: torch.Tensor, shared: SharedExpert, y: torch.Tensor) -> None
     full = dense_config(t, d, i, shared.fmt, y.device)
     _check_config(full, shared.fmt)
     cfg = down_config(full)  # its DOWN tile: beside the routed kernels it wants its own
-    if full.get("KERNEL") == "gemv":
-        fp8_gemv(h, shared.w2, shared.w2_scale, cfg, out=y, swiglu=True)
-        return
     split = cfg.get("SPLIT_K", 1)
     s2, *s2_strides = _scale_args(shared.w2, shared.w2_scale, expert_dim=False)
     moe_down_kernel[(triton.cdiv(t, cfg["BLOCK_M"]), triton.cdiv(d, cfg["BLOCK_N"]), split)](

@@ -174,37 +174,14 @@ def test_fp8_gemv_gpu_engine_shapes(n, k, split_k, bit_decode):
     assert torch.equal(y, fp8_block_linear(x, q, s, config=_gemv(32, 256, split_k, bit_decode)))
 
 
-@pytest.mark.parametrize("m,split_k", [(1, 1), (1, 3), (3, 2), (8, 1)])
-@pytest.mark.parametrize("scale_dtype", [torch.float32, torch.uint8])
-def test_fp8_gemv_swiglu_input_added_into_float32(m, split_k, scale_dtype):
-    # The shared expert's down projection: x = [gate | up], out += SiLU(gate) * up @ W^T,
-    # every split's partial added with atomics (no partials buffer, no counters).
-    from kernels.triton.fp8_linear import fp8_gemv
-
-    n, k = 150, 272
-    g = torch.Generator().manual_seed(300 + m * 10 + split_k)
-    q, s = random_fp8_block((n, k), scale_dtype=scale_dtype, generator=g, device=DEVICE)
-    gate_up = torch.randn(m, 2 * k, generator=g).to(torch.bfloat16).to(DEVICE)
-    out = torch.randn(m, n, generator=g).to(DEVICE)
-    want = out.double().cpu()
-    gate, up = gate_up[:, :k].float(), gate_up[:, k:].float()
-    act = (torch.nn.functional.silu(gate) * up).to(torch.bfloat16)  # one rounding, as h
-    want += fp8_block_linear_reference(act, q, s).double().cpu()
-    got = fp8_gemv(gate_up, q, s, _gemv(32, 64, split_k, False), out=out, swiglu=True)
-    assert got is out and out.dtype == torch.float32
-    assert rel_err(out.cpu(), want) < 1e-2
-
-
-def test_fp8_gemv_checks_its_input_width_and_accumulator():
+def test_fp8_gemv_checks_its_input_width():
     from kernels.triton.fp8_linear import fp8_gemv
 
     g = torch.Generator().manual_seed(5)
     q, s = random_fp8_block((64, 128), generator=g, device=DEVICE)
-    x = torch.randn(2, 128, generator=g).to(torch.bfloat16).to(DEVICE)
-    with pytest.raises(AssertionError, match=r"\(gate \| up\)"):
-        fp8_gemv(x, q, s, _gemv(32, 64, 1, False), swiglu=True)
-    with pytest.raises(AssertionError, match="float32"):
-        fp8_gemv(x, q, s, _gemv(32, 64, 1, False), out=torch.zeros(2, 64, device=DEVICE).half())
+    x = torch.randn(2, 256, generator=g).to(torch.bfloat16).to(DEVICE)
+    with pytest.raises(AssertionError, match="256 columns"):
+        fp8_gemv(x, q, s, _gemv(32, 64, 1, False))
 
 
 @pytest.mark.parametrize("m,split_k", [(1, 1), (1, 4), (3, 2), (8, 3)])

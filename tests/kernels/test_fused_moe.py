@@ -266,42 +266,6 @@ def test_fused_moe_swap_ab_shared_expert(fmt, down, monkeypatch):
     assert rel_err(out, ref) < 2e-2
 
 
-GEMV_SHARED = dict(KERNEL="gemv", BLOCK_N=32, BLOCK_K=64, VEC=16, SPLIT_K=2, num_warps=4,
-                   DOWN=dict(BLOCK_N=16, SPLIT_K=3))  # fmt: skip
-
-
-@pytest.mark.parametrize("t", [1, 3])
-def test_fused_moe_fp8_shared_expert_on_the_gemv_path(t, monkeypatch):
-    # "KERNEL": "gemv" for the shared expert: gate+up as one FP8 GEMV ([gate | up] out),
-    # down as a second whose loads apply SiLU(gate) * up and whose splits add into the
-    # accumulator; the same sum as the routed-only result plus the shared reference
-    args, kw = make_moe(t, d=128, i=64, e=4, a=2, fmt="mxfp4", seed=21 + t)
-    shared = random_shared(128, 192, "fp8", seed=22 + t)
-    monkeypatch.setattr(fused_moe_module, "dense_config", lambda *a, **k: dict(GEMV_SHARED))
-    out = fused_moe(*args, **kw, shared=shared, out_dtype=torch.float32)
-    one = torch.ones(t, 1, device=DEVICE)
-    zero_ids = torch.zeros(t, 1, dtype=torch.int32, device=DEVICE)
-    ref_shared = fused_moe_reference(args[0], shared.w13[None], shared.w2[None], one, zero_ids,
-                                     "fp8", shared.w13_scale[None], shared.w2_scale[None])  # fmt: skip
-    ref = fused_moe_reference(*args, **kw).float() + ref_shared.float()
-    assert out.dtype == torch.float32 and rel_err(out, ref) < 2e-2
-
-
-def test_gemv_configs_are_the_fp8_shared_experts_only(monkeypatch):
-    shared = random_shared(128, 64, "bf16", seed=3)
-    args, kw = make_moe(1, d=128, i=64, e=4, a=2, fmt="bf16", seed=4)
-    monkeypatch.setattr(fused_moe_module, "dense_config", lambda *a, **k: dict(GEMV_SHARED))
-    with pytest.raises(AssertionError, match="FP8 shared expert"):
-        fused_moe(*args, **kw, shared=shared)
-    with pytest.raises(AssertionError, match="gemv config sets"):
-        fused_moe_module._check_config(dict(GEMV_SHARED, SWAP_AB=True), "fp8")
-    # A table entry of the shared expert's key (E=1, A=1) read by a routed call of that
-    # shape (bench kernels times the shared expert so) is left to the heuristic there.
-    monkeypatch.setattr(fused_moe_module.configs, "lookup", lambda *a, **k: dict(GEMV_SHARED))
-    cfg = fused_moe_module.choose_config(1, 1, 1, 128, 64, "fp8", DEVICE)
-    assert cfg == fused_moe_module.default_config(1, 1, "fp8")
-
-
 @triton.jit
 def _decode_rows_kernel(b_ptr, s_ptr, w_ptr, F32_DOT: tl.constexpr, ASM: tl.constexpr):
     """codes [16, 32] (16 rows x 32 bytes = 2 groups), scales [16, 2] -> w [16, 64]."""
@@ -401,33 +365,6 @@ def test_fused_moe_swap_ab_gpu_sizes(fmt, t):
                num_warps=4, num_stages=3)  # fmt: skip
     out = fused_moe(*args, **kw, config=cfg)
     assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
-
-
-@pytest.mark.gpu
-@gpu_only
-@pytest.mark.parametrize("t", [1, 8])
-def test_gemv_shared_expert_on_a_side_stream(t, monkeypatch):
-    # The GEMV path's gate+up splits K with arrival counters of its own lane while the
-    # routed gate+up (split too) counts in the main lane; eager and replayed, the one-stream
-    # result.
-    args, kw = make_moe(t, d=2048, i=1408, e=64, a=6, fmt="mxfp4", seed=t + 30)
-    shared = random_shared(2048, 2816, "fp8", seed=t + 31)
-    gemv = dict(KERNEL="gemv", BLOCK_N=16, BLOCK_K=256, VEC=16, SPLIT_K=4, num_warps=4,
-                DOWN=dict(BLOCK_N=16, SPLIT_K=4))  # fmt: skip
-    monkeypatch.setattr(fused_moe_module, "dense_config", lambda *a, **k: dict(gemv))
-    cfg = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, SWAP_AB=True, GU_SPLIT_K=4, SPLIT_K=2,
-               num_warps=4, num_stages=3)  # fmt: skip
-    call = dict(**kw, shared=shared, config=cfg, out_dtype=torch.float32)
-    ref = fused_moe(*args, **call)
-    side = torch.cuda.Stream()
-    assert rel_err(fused_moe(*args, **call, shared_stream=side), ref) < 1e-5
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        captured = fused_moe(*args, **call, shared_stream=side)
-    args[0].copy_(torch.randn_like(args[0]))
-    graph.replay()
-    torch.cuda.synchronize()
-    assert rel_err(captured, fused_moe(*args, **call)) < 1e-5
 
 
 @pytest.mark.gpu
