@@ -333,6 +333,7 @@ def _run_locked(
         rows_done_before=len(done_ids),
         errors_before=errors_before,
     )
+    progress = progress or Progress(run_dir.progress_file)
     labels = None
     if cluster_mode(job.batching) == "column":
         labels = ClusterLabels(job.batching.cluster, run_dir.clusters_file)
@@ -340,8 +341,10 @@ def _run_locked(
         from batchgen.task_clusters import cluster_job  # pulls in scikit-learn
 
         # Embeds every input row once (cached in the run dir: a resumed run reloads it).
-        labels = cluster_job(job, ctx.input.rows(), run_dir.path / "clusters").cursor()
-    progress = progress or Progress(run_dir.progress_file)
+        clusters = cluster_job(
+            job, ctx.input.rows(), run_dir.path / "clusters", progress.phase, ctx.total_rows
+        )
+        labels = clusters.cursor()
     writer = PartWriter(
         run_dir,
         schema_for_run(run_dir, ctx.schema),

@@ -12,6 +12,10 @@ Two streamed passes, memory bounded by one chunk plus the fitting sample:
 2. fit k-means on the sample, assign every spilled row (its vector read back from the
    memory-mapped cache), merge small clusters with the full counts, write assignments.
 
+Each pass reports its progress through an optional `on_progress(phase, done, total)`
+(batchgen.progress.Progress.phase): "embedding" rows, "clustering" k values tried, "assigning"
+rows. At 200,000 rows on 2 CPU cores the embedding pass alone takes about ten minutes.
+
 Rows without a text (a render error, a null or blank prompt) get a null cluster: they never
 reach the engine. The assignments keep input order, one row per input row, so the run loop
 reads them with a cursor alongside the input instead of holding an id -> cluster map.
@@ -23,6 +27,7 @@ import json
 import logging
 import os
 import shutil
+import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import asdict, dataclass
@@ -50,6 +55,13 @@ ASSIGNMENT_SCHEMA = pa.schema(
     [("id", pa.string()), ("cluster_id", pa.int32()), ("cluster_name", pa.string())]
 )
 _ROWS_SCHEMA = pa.schema([("id", pa.string()), ("key", pa.binary(16))])
+
+# on_progress(phase, done, total): see batchgen.progress.PHASE_FIELDS for the phases.
+ProgressCallback = Callable[[str, int, int | None], None]
+
+
+def _no_progress(phase: str, done: int, total: int | None) -> None:
+    pass
 
 
 @dataclass(frozen=True)
@@ -204,14 +216,22 @@ def _embed_pass(
     rows_dir: Path,
     settings: ClusterSettings,
     chunk_rows: int,
+    on_progress: ProgressCallback,
+    total_rows: int | None,
 ) -> _Spilled:
     shutil.rmtree(rows_dir, ignore_errors=True)
     rows_dir.mkdir()
     spilled = _Spilled([], 0, 0, StreamSample(settings.sample_size, settings.seed))
+    on_progress("embedding", 0, total_rows)
     for chunk in _chunks(rows, chunk_rows):
         has_text = [text is not None and text.strip() != "" for _, text in chunk]
         texts = [text for (_, text), ok in zip(chunk, has_text) if ok]
-        keys, vectors = cached.embed_keyed(texts)
+        before = spilled.rows + len(chunk) - len(texts)  # rows without a text count as done
+
+        def embedded(done: int, before: int = before) -> None:
+            on_progress("embedding", before + done, total_rows)
+
+        keys, vectors = cached.embed_keyed(texts, on_progress=embedded)
         spilled.sample.add(vectors, [t[:PREVIEW_CHARS] for t in texts])
         all_keys: list = [None] * len(chunk)
         for position, key in zip(np.flatnonzero(has_text), keys.tolist()):
@@ -228,12 +248,17 @@ def _embed_pass(
 
 
 def _assign_pass(
-    spilled: _Spilled, cached: CachedEmbedder, clusterer: KMeansClusterer
+    spilled: _Spilled,
+    cached: CachedEmbedder,
+    clusterer: KMeansClusterer,
+    on_progress: ProgressCallback,
 ) -> tuple[list[np.ndarray], np.ndarray]:
     """Raw k-means labels per part (-1 for rows without a text), and the count per label."""
     assert clusterer.centroids is not None
     raw_labels = []
     counts = np.zeros(len(clusterer.centroids), dtype=np.int64)
+    assigned = 0
+    on_progress("assigning", 0, spilled.rows)
     for part in spilled.parts:
         keys = pq.read_table(part, columns=["key"]).column("key")
         valid = np.asarray(keys.is_valid())
@@ -243,6 +268,8 @@ def _assign_pass(
             labels[valid] = clusterer.assign(cached.cache.get(present))
             counts += np.bincount(labels[valid], minlength=len(counts))
         raw_labels.append(labels)
+        assigned += len(labels)
+        on_progress("assigning", assigned, spilled.rows)
     return raw_labels, counts
 
 
@@ -266,12 +293,15 @@ def build_task_clusters(
     settings: ClusterSettings = ClusterSettings(),
     embedder: Embedder | None = None,
     chunk_rows: int = 4096,
+    on_progress: ProgressCallback | None = None,
+    total_rows: int | None = None,
 ) -> TaskClusters:
     """Reuse the stored clusters in `directory` if they were made with these settings;
     otherwise embed (through the cache), cluster, name and store them.
 
     `rows` yields (id, text) in input order, text None for a row that cannot run. It is
-    consumed once, and only when there is no stored result."""
+    consumed once, and only when there is no stored result. `total_rows` (how many it
+    will yield) gives the embedding progress its total and ETA."""
     directory = Path(directory)
     stored = load_task_clusters(directory, settings)
     if stored is not None:
@@ -283,8 +313,11 @@ def build_task_clusters(
         embedder = Embedder(settings.embedding_model)
     cached = CachedEmbedder(embedder, directory / "embeddings")
     embedded_before = embedder.texts_embedded
+    report = on_progress or _no_progress
 
-    spilled = _embed_pass(rows, cached, directory / "rows", settings, chunk_rows)
+    spilled = _embed_pass(
+        rows, cached, directory / "rows", settings, chunk_rows, report, total_rows
+    )
     clusters: list[ClusterInfo] = []
     k_scores: dict[int, float] = {}
     if spilled.sample.rows_seen == 0:
@@ -294,8 +327,13 @@ def build_task_clusters(
     else:
         clusterer = KMeansClusterer(settings.cluster_config())
         sample_vectors, sample_texts = spilled.sample.result()
-        clusterer.fit(sample_vectors, spilled.sample.rows_seen)
-        raw_labels, counts = _assign_pass(spilled, cached, clusterer)
+        report("clustering", 0, None)
+
+        def k_tried(tried: int, candidates: int) -> None:
+            report("clustering", tried, candidates)
+
+        clusterer.fit(sample_vectors, spilled.sample.rows_seen, on_progress=k_tried)
+        raw_labels, counts = _assign_pass(spilled, cached, clusterer, report)
         clustering = clusterer.finalize(counts)
         k_scores = clustering.k_scores
         sample_labels = clustering.raw_to_final[clusterer.assign(sample_vectors)]
@@ -412,11 +450,74 @@ def prompt_texts(job: JobSpec, rows: Iterable[InputRow]) -> Iterator[tuple[str, 
             yield row.id, None
 
 
+# Texts embedded to time the embedding model for `validate`: one of its batches, after a
+# short untimed warm-up (the first call pays one-off costs a long run does not).
+ESTIMATE_ROWS = 128
+_WARMUP_ROWS = 8
+
+
+@dataclass(frozen=True)
+class EmbeddingEstimate:
+    """How long a run's embedding pass will take: the model's load time plus every row to
+    embed at the rate measured on the job's first rows."""
+
+    rows: int  # rows the run will embed (0: stored clusters are reused)
+    rows_s: float | None  # measured rate; None when nothing was measured
+    load_s: float
+
+    @property
+    def seconds(self) -> float:
+        if self.rows == 0 or not self.rows_s:
+            return 0.0
+        return self.load_s + self.rows / self.rows_s
+
+
+def estimate_embedding(
+    job: JobSpec,
+    rows: Iterable[InputRow],
+    total_rows: int,
+    directory: str | os.PathLike,
+    embedder: Embedder | None = None,
+) -> EmbeddingEstimate:
+    """Time the embedding model on the first rows of a `cluster: auto` job. A run whose
+    clusters are stored in `directory` with the same settings embeds nothing."""
+    settings = settings_for_job(job)
+    if load_task_clusters(directory, settings) is not None:
+        return EmbeddingEstimate(0, None, 0.0)
+    texts = []
+    for _, text in prompt_texts(job, rows):
+        if text is not None and text.strip():
+            texts.append(text)
+        if len(texts) >= _WARMUP_ROWS + ESTIMATE_ROWS:
+            break
+    if not texts:
+        return EmbeddingEstimate(0, None, 0.0)
+    started = time.perf_counter()
+    embedder = embedder or Embedder(settings.embedding_model)
+    warmup, timed = texts[:_WARMUP_ROWS], texts[_WARMUP_ROWS:] or texts
+    embedder.embed(warmup)
+    load_s = time.perf_counter() - started
+    started = time.perf_counter()
+    embedder.embed(timed)
+    rate = len(timed) / max(time.perf_counter() - started, 1e-6)
+    return EmbeddingEstimate(total_rows, rate, load_s)
+
+
 def cluster_job(
-    job: JobSpec, rows: Iterable[InputRow], directory: str | os.PathLike
+    job: JobSpec,
+    rows: Iterable[InputRow],
+    directory: str | os.PathLike,
+    on_progress: ProgressCallback | None = None,
+    total_rows: int | None = None,
 ) -> TaskClusters:
     """The task clusters of a `cluster: auto` job, built or reloaded from `directory`."""
-    return build_task_clusters(prompt_texts(job, rows), directory, settings_for_job(job))
+    return build_task_clusters(
+        prompt_texts(job, rows),
+        directory,
+        settings_for_job(job),
+        on_progress=on_progress,
+        total_rows=total_rows,
+    )
 
 
 def cluster_section(

@@ -7,8 +7,10 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from batchgen.job_context import JobContext
+from batchgen.planner import cluster_mode
 from batchgen.render import PromptRenderer
 
 CALIBRATION_ROWS = 4
@@ -28,6 +30,8 @@ class ValidationReport:
     calibration_output_tok_s: float | None = None
     estimated_s: float | None = None
     estimated_max_s: float | None = None
+    # batchgen.task_clusters.EmbeddingEstimate for a `cluster: auto` job
+    embedding: object | None = None
 
     def lines(self) -> list[str]:
         out = [
@@ -38,6 +42,12 @@ class ValidationReport:
         for kind, count in self.errors.most_common():
             samples = ", ".join(self.error_samples[kind])
             out.append(f"would be error rows ({kind}): {count:,}, e.g. {samples}")
+        if self.embedding is not None and self.embedding.rows:
+            out.append(
+                f"embedding (cluster: auto): {self.embedding.rows:,} rows at "
+                f"{self.embedding.rows_s:,.1f} rows/s, {self.embedding.seconds / 60:,.1f} min "
+                "before the first generation (included in the estimate)"
+            )
         if self.calibration_tok_s is not None:
             out.append(
                 f"calibration: {self.calibration_tok_s:,.1f} tok/s (prompt + output), "
@@ -108,3 +118,12 @@ def calibrate(ctx: JobContext, renderer: PromptRenderer, llm, report: Validation
     report.estimated_max_s = (
         report.prompt_tokens + outputs * s.max_tokens
     ) / report.calibration_tok_s
+    if cluster_mode(ctx.job.batching) == "auto":
+        from batchgen.task_clusters import estimate_embedding  # pulls in scikit-learn
+
+        clusters_dir = Path(ctx.job.output.path) / "clusters"
+        report.embedding = estimate_embedding(
+            ctx.job, ctx.input.rows(), ctx.total_rows, clusters_dir
+        )
+        report.estimated_s += report.embedding.seconds
+        report.estimated_max_s += report.embedding.seconds

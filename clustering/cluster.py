@@ -16,6 +16,7 @@ homogeneous, so k never goes beyond what the data can fill.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -90,12 +91,17 @@ def _kmeans(vectors: np.ndarray, k: int, seed: int) -> KMeans | MiniBatchKMeans:
 
 
 def choose_k(
-    sample: np.ndarray, n_total: int, config: ClusterConfig
+    sample: np.ndarray,
+    n_total: int,
+    config: ClusterConfig,
+    on_progress: Callable[[int, int], None] | None = None,
 ) -> tuple[int, dict[int, float]]:
-    """The k with the best silhouette on the sample, and the score of every k tried."""
+    """The k with the best silhouette on the sample, and the score of every k tried.
+    `on_progress(tried, candidates)` is called before each k and once at the end."""
     upper = min(config.max_k, n_total // config.min_cluster_size, len(sample) - 1)
     if upper < 2:
         return 1, {}
+    candidates = upper - 1  # k = 2 .. upper
     rng = np.random.default_rng(config.seed)
     search = sample
     if len(search) > config.k_search_rows:
@@ -104,6 +110,8 @@ def choose_k(
     best_k = None
     with threadpool_limits(limits=config.threads):
         for k in range(2, upper + 1):
+            if on_progress is not None:
+                on_progress(k - 2, candidates)
             labels = _kmeans(search, k, config.seed).labels_
             if len(np.unique(labels)) < 2:
                 continue
@@ -112,6 +120,8 @@ def choose_k(
                 best_k = k
             elif k - best_k >= config.k_patience:
                 break
+    if on_progress is not None:
+        on_progress(k - 1, candidates)
     if not scores:
         return 1, {}
     return max(scores, key=lambda k: (scores[k], -k)), scores
@@ -162,13 +172,19 @@ class KMeansClusterer:
         self.centroids: np.ndarray | None = None  # (k, D) raw k-means centroids
         self.k_scores: dict[int, float] = {}
 
-    def fit(self, sample: np.ndarray, n_total: int) -> None:
+    def fit(
+        self,
+        sample: np.ndarray,
+        n_total: int,
+        on_progress: Callable[[int, int], None] | None = None,
+    ) -> None:
+        """Choose k (when auto) and fit; `on_progress` as in choose_k."""
         if len(sample) == 0:
             raise ValueError("cannot cluster zero rows")
         sample = np.asarray(sample, dtype=np.float32)
         with threadpool_limits(limits=self.config.threads):
             if self.config.k is None:
-                k, self.k_scores = choose_k(sample, n_total, self.config)
+                k, self.k_scores = choose_k(sample, n_total, self.config, on_progress)
             else:
                 k = min(self.config.k, len(sample))
             if k == 1:

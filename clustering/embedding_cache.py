@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -23,6 +23,9 @@ import numpy as np
 from clustering.embed import Embedder, text_keys
 
 _SHARD = re.compile(r"^shard-(\d{6})\.(keys|vecs)\.npy$")
+# Texts handed to the model per call: a few of its batches, a few seconds on 2 CPU cores,
+# which is how often progress can move while one chunk is being embedded.
+EMBED_SLICE = 512
 
 
 def _save_atomic(path: Path, array: np.ndarray) -> None:
@@ -155,15 +158,31 @@ class CachedEmbedder:
         self.hits = 0
         self.misses = 0
 
-    def embed_keyed(self, texts: Sequence[str]) -> tuple[np.ndarray, np.ndarray]:
-        """(keys (n,) S16, vectors (n, dim) float32) for the texts, in order."""
+    def embed_keyed(
+        self, texts: Sequence[str], on_progress: Callable[[int], None] | None = None
+    ) -> tuple[np.ndarray, np.ndarray]:
+        """(keys (n,) S16, vectors (n, dim) float32) for the texts, in order.
+
+        `on_progress(done)` is called with how many of the texts are done (found in the
+        cache at once, then embedded a slice at a time), so a caller can show progress
+        inside a call that may take minutes."""
         keys = text_keys(texts)
         missing = ~self.cache.contains(keys)
         if missing.any():
             new_keys, first = np.unique(keys[missing], return_index=True)
             missing_positions = np.flatnonzero(missing)[first]
-            vectors = self.embedder.embed([texts[i] for i in missing_positions])
-            self.cache.add(new_keys, vectors)
+            to_embed = [texts[i] for i in missing_positions]
+            done = len(texts) - len(to_embed)
+            slices = []
+            # Always sliced the same way, so a text's vector does not depend on whether
+            # anyone watches the progress.
+            for start in range(0, len(to_embed), EMBED_SLICE):
+                if on_progress is not None:
+                    on_progress(done + start)
+                slices.append(self.embedder.embed(to_embed[start : start + EMBED_SLICE]))
+            self.cache.add(new_keys, np.concatenate(slices))
+        if on_progress is not None:
+            on_progress(len(texts))
         self.misses += int(missing.sum())
         self.hits += len(texts) - int(missing.sum())
         if len(texts) == 0:
