@@ -8,20 +8,27 @@ until the error budget is spent.
 
 from __future__ import annotations
 
-import hashlib
 import json
 import logging
 import time
-from collections.abc import Iterator
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
+from batchgen.engine_faults import EngineFaultLog
+from batchgen.engine_supervisor import (
+    EngineFailure,
+    EngineFault,
+    EngineGaveUp,
+    EngineSupervisor,
+)
 from batchgen.job_context import JobContext, open_job
 from batchgen.job_spec import JobError, JobSpec
 from batchgen.planner import ClusterLabels, cluster_mode, log_cluster_mode, plan_rows
 from batchgen.progress import Progress
 from batchgen.render import PromptRenderer
 from batchgen.report import write_report
+from batchgen.request_feed import RequestFeed, parse_request_id
 from batchgen.resume import (
     check_run_dir,
     committed_ids,
@@ -46,15 +53,9 @@ EXIT_BUDGET_EXCEEDED = 4
 EXIT_INTERRUPTED = 5
 
 
-def derive_seed(job_seed: int, row_id: str, n_index: int) -> int:
-    """The seed of one completion: a function of (job seed, row id, n_index) only, so a
-    row's sample does not depend on its batch, its cluster or its position."""
-    digest = hashlib.blake2b(f"{job_seed}\0{row_id}\0{n_index}".encode(), digest_size=8).digest()
-    return int.from_bytes(digest, "little") & ((1 << 63) - 1)
-
-
-def load_llm(job: JobSpec):
-    """The engine for a job (imported here: engine loading pulls in torch models)."""
+def load_llm(job: JobSpec, max_num_seqs: int | None = None):
+    """The engine for a job (imported here: engine loading pulls in torch models).
+    `max_num_seqs` overrides the job's (an engine rebuilt after running out of memory)."""
     from engine import LLM
 
     kwargs = {
@@ -66,8 +67,9 @@ def load_llm(job: JobSpec):
     }
     if job.model.max_model_len is not None:
         kwargs["max_model_len"] = job.model.max_model_len
-    if job.batching.max_num_seqs is not None:
-        kwargs["max_num_seqs"] = job.batching.max_num_seqs
+    max_num_seqs = max_num_seqs or job.batching.max_num_seqs
+    if max_num_seqs is not None:
+        kwargs["max_num_seqs"] = max_num_seqs
     if job.batching.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = job.batching.max_num_batched_tokens
     return LLM(**kwargs)
@@ -109,22 +111,6 @@ def make_renderer(ctx: JobContext, llm) -> PromptRenderer:
     )
 
 
-def sampling_params(job: JobSpec, seed: int):
-    from engine import SamplingParams
-
-    s = job.sampling
-    return SamplingParams(
-        n=1,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        max_tokens=s.max_tokens,
-        stop=list(s.stop or []),
-        seed=seed,
-    )
-
-
 @dataclass
 class RunOutcome:
     exit_code: int
@@ -133,14 +119,9 @@ class RunOutcome:
     stats: RunStats | None = None
 
 
-@dataclass
-class _Pending:
-    row: PreparedRow
-    seeds: list[int]  # one per n_index, derived once when the requests are made
-    results: dict[int, ResultRow] = field(default_factory=dict)
-
-
-def _error_results(row: PreparedRow, n: int, error_type: str, message: str) -> list[ResultRow]:
+def _error_results(
+    row: PreparedRow, n_indexes: Iterable[int], error_type: str, message: str
+) -> list[ResultRow]:
     return [
         ResultRow(
             id=row.id,
@@ -157,18 +138,20 @@ def _error_results(row: PreparedRow, n: int, error_type: str, message: str) -> l
             carry=row.carry,
             seq=row.seq,
         )
-        for k in range(n)
+        for k in n_indexes
     ]
 
 
 class _Loop:
-    """One session of a run. `requests()` is the generator the engine pulls from; finished
-    rows (from the engine, or errors found before it) go to `_finish_row`."""
+    """One session of a run. The feed gives the engine its requests; finished rows (from
+    the engine, or errors found before it) go to `_finish_row`. An engine failure commits
+    what finished, requeues the rows in flight and rebuilds the engine (`_recover`); rows
+    in the failing step of two failures run alone once the engine works again."""
 
-    def __init__(self, ctx, llm, renderer, writer, stats, progress, done_ids, labels):
+    def __init__(self, ctx, engine, renderer, writer, stats, progress, done_ids, labels, spill_dir):
         self.ctx = ctx
         self.job = ctx.job
-        self.llm = llm
+        self.engine: EngineSupervisor = engine
         self.renderer = renderer
         self.writer = writer
         self.stats = stats
@@ -176,12 +159,17 @@ class _Loop:
         self.done_ids = done_ids
         self.labels = labels
         self.n = ctx.job.sampling.n
-        self.pending: dict[int, _Pending] = {}
         self.stop = StopFlag()
         self.budget_rows = ctx.job.errors.budget * ctx.total_rows * self.n
         self.budget_exceeded = False
-        self.fed_all = False
-        self.spill_dir: Path | None = None  # where the planner spills rows by cluster
+        self.gave_up: str | None = None  # why the engine was given up on
+        # spill_dir: where the planner spills rows by cluster
+        self.feed = RequestFeed(
+            self.job,
+            plan_rows(self._prepared(), self.job.batching, spill_dir),
+            on_error_row=self._on_error_row,
+            should_stop=lambda: self.stop.requested or self.budget_exceeded,
+        )
 
     def _prepared(self) -> Iterator[PreparedRow]:
         for row in self.ctx.input.rows():
@@ -196,35 +184,16 @@ class _Loop:
             prepared.group = self.labels.assign(row)
         return prepared
 
-    def requests(self) -> Iterator:
-        from engine import Request
-
-        for row in plan_rows(self._prepared(), self.job.batching, self.spill_dir):
-            if self.stop.requested or self.budget_exceeded:
-                return
-            if row.error is not None:
-                self._finish_row(_error_results(row, self.n, row.error.type, row.error.message))
-                continue
-            seeds = [derive_seed(self.job.sampling.seed, row.id, k) for k in range(self.n)]
-            self.pending[row.seq] = _Pending(row, seeds)
-            for k, seed in enumerate(seeds):
-                yield Request(
-                    request_id=f"{row.seq}:{k}",
-                    prompt=row.prompt_token_ids,
-                    sampling_params=sampling_params(self.job, seed),
-                    group=row.group,
-                )
-        self.fed_all = True
+    def _on_error_row(self, row: PreparedRow) -> None:
+        self._finish_row(_error_results(row, range(self.n), row.error.type, row.error.message))
 
     def on_output(self, out) -> None:
-        seq_s, k_s = out.request_id.split(":")
-        seq, k = int(seq_s), int(k_s)
-        pending = self.pending[seq]
+        pending = self.feed.pending_row(out.request_id)
         row = pending.row
+        k = parse_request_id(out.request_id)[1]
         if out.error is not None or not out.outputs:
             message = out.error or "the engine returned no completion"
-            result = _error_results(row, 1, "engine_rejected", message)[0]
-            result.n_index = k
+            result = _error_results(row, [k], "engine_rejected", message)[0]
         else:
             completion = out.outputs[0]
             result = ResultRow(
@@ -242,10 +211,13 @@ class _Loop:
                 carry=row.carry,
                 seq=row.seq,
             )
-        pending.results[k] = result
-        if len(pending.results) == self.n:
-            del self.pending[seq]
-            self._finish_row([pending.results[i] for i in range(self.n)])
+            self.engine.row_ok()
+            if self.feed.suspects:
+                # The engine works again: let it drain, then run the suspects alone.
+                self.feed.pause()
+        results = self.feed.complete(out.request_id, result)
+        if results is not None:
+            self._finish_row(results)
 
     def _finish_row(self, results: list[ResultRow]) -> None:
         self.writer.add(results)
@@ -255,22 +227,105 @@ class _Loop:
         self.progress.update(self.stats)
 
     def run(self) -> str:
-        """Drive the engine until the input is done, the budget is spent or Ctrl-C.
-        Returns "done", "budget" or "interrupted"."""
+        """Drive the engine until the input is done, the budget is spent, Ctrl-C, or the
+        engine cannot be brought back. Returns "done", "budget", "interrupted" or
+        "engine_failed" (then `gave_up` says why)."""
         try:
             # SIGINT or SIGTERM: finish the rows in flight within the grace period.
             with self.stop.installed(graceful=True):
-                for out in self.llm.stream(self.requests()):
-                    self.on_output(out)
+                self._drive()
         except KeyboardInterrupt:
             self.stop.requested = True
+        except EngineGaveUp as exc:
+            self.gave_up = str(exc)
+            log.error("stopping: %s", exc)
         finally:
             self.writer.flush()
+        if self.gave_up is not None:
+            return "engine_failed"
         if self.budget_exceeded:
             return "budget"
-        if self.stop.requested or not self.fed_all:
+        if self.stop.requested or not self.feed.done:
             return "interrupted"
         return "done"
+
+    def _drive(self) -> None:
+        while True:
+            fault = self._stream(self.feed.requests())
+            if self.stop.requested or self.budget_exceeded:
+                return
+            if fault is not None:
+                self._recover(fault)
+            elif self.feed.suspects:
+                self._run_suspects_alone()
+            else:
+                return  # the planner is done and every row it gave has finished
+
+    def _stream(self, requests: Iterable) -> EngineFault | None:
+        """Run the engine over `requests`; the fault if it failed, else None."""
+        try:
+            for out in self.engine.stream(requests):
+                self.on_output(out)
+        except EngineFailure as failure:
+            return failure.fault
+        return None
+
+    def _recover(self, fault: EngineFault) -> None:
+        # What finished is committed first: the rebuild may not come back.
+        self.writer.commit_ready()
+        in_flight = len(self.feed.pending) - len(self.feed.suspects)
+        self.engine.faults.append(
+            "step_failed",
+            error=fault.error,
+            out_of_memory=fault.out_of_memory,
+            rows_in_flight=in_flight,
+            traceback=fault.traceback,
+        )
+        log.warning(
+            "the engine failed during a step (%s); %d rows in flight go back to the queue",
+            fault.error,
+            in_flight,
+        )
+        self.engine.count_failure(fault.error)
+        for pending in self.feed.requeue_after_failure(fault.in_step):
+            log.warning(
+                "row %s was in the failing step of %d engine failures: it will run alone",
+                pending.row.id,
+                pending.failures,
+            )
+        self.engine.restart(fault)
+        self.stats.engine_restarts = self.engine.restarts
+
+    def _run_suspects_alone(self) -> None:
+        """Each suspect row with nothing else in flight. Failing alone makes it an error
+        row (error_type engine_error); the engine is rebuilt and the job goes on."""
+        while self.feed.suspects and not (self.stop.requested or self.budget_exceeded):
+            pending = self.feed.next_suspect()
+            row = pending.row
+            # No request finished since the last failure: first make sure the engine
+            # runs at all, or every suspect of a broken engine would become an error row.
+            if self.engine.streak and not self.engine.probe(row.prompt_token_ids):
+                continue  # it did not: rebuilt (or EngineGaveUp at the limit)
+            log.info("running row %s alone", row.id)
+            fault = self._stream(self.feed.run_alone(pending))
+            if fault is None:
+                continue
+            message = (
+                "the engine failed with this row alone, after failing twice with it in a "
+                f"batch: {fault.error}"
+            )
+            log.warning("row %s failed alone: it becomes an error row (%s)", row.id, fault.error)
+            self.engine.faults.append(
+                "row_failed_alone", id=row.id, error=fault.error, traceback=fault.traceback
+            )
+            missing = [k for k in range(self.n) if k not in pending.results]
+            results = {**pending.results}
+            for result in _error_results(row, missing, "engine_error", message):
+                results[result.n_index] = result
+            self.feed.drop(pending)
+            self._finish_row([results[k] for k in range(self.n)])
+            self.engine.restart(fault, shrink=False)
+            self.stats.engine_restarts = self.engine.restarts
 
 
 def run_job(
@@ -312,15 +367,27 @@ def _run_locked(
     progress: Progress | None,
 ) -> RunOutcome:
     check_run_dir(job, new_run)
+    check_fault_injection()
     log_cluster_mode(job.batching)
+    session = new_session_id()
+    reconciled = False
+    if not new_run and RunDir(job.output.path).exists():
+        run_dir = RunDir(job.output.path)
+        reconcile(run_dir, job.fingerprint, session)
+        reconciled = True
+        if not retry_errors and _every_id_committed(run_dir, ctx):
+            # Nothing to do: the report is rewritten, no model is loaded.
+            log.info("every input row is already committed: nothing to run")
+            code, message = _conclude(run_dir, job, job_path, ctx, "done", _stored_labels(job))
+            return RunOutcome(code, run_dir.path, message)
     if llm is None:
         llm = load_llm(job)
     recording = start_routing_stats(job, llm)
     renderer = make_renderer(ctx, llm)
 
-    session = new_session_id()
     run_dir, archived = open_run_dir(job, new_run, job_path)
-    reconcile(run_dir, job.fingerprint, session)
+    if not reconciled:
+        reconcile(run_dir, job.fingerprint, session)
     run_dir.success.unlink(missing_ok=True)
     if retry_errors:
         retried = take_back_errors(run_dir, job.fingerprint, session)
@@ -354,8 +421,11 @@ def _run_locked(
         session=session,
         in_input_order=job.output.order == "input",
     )
-    loop = _Loop(ctx, llm, renderer, writer, stats, progress, done_ids, labels)
-    loop.spill_dir = run_dir.path / "plan"
+    engine = _supervise(llm, job, run_dir, session, recording)
+    del llm  # the supervisor holds the one reference, so a restart frees the old engine
+    loop = _Loop(
+        ctx, engine, renderer, writer, stats, progress, done_ids, labels, run_dir.path / "plan"
+    )
     progress.start(stats, title=f"batchgen run {job_path}")
     started = time.time()
     try:
@@ -363,34 +433,92 @@ def _run_locked(
     finally:
         progress.finish(stats)
 
-    if recording:
-        save_routing_stats(run_dir, session, llm.routing_stats())
-    # Count from the manifest, so the verdict covers every session of this run.
+    if recording and engine.llm is not None:
+        save_routing_stats(run_dir, session, engine.llm.routing_stats())
+    code, message = _conclude(
+        run_dir, job, job_path, ctx, state, labels.names() if labels else None, loop.gave_up
+    )
+    if archived:
+        message += f" (previous run moved to {archived})"
+    log.info("session took %.1fs", time.time() - started)
+    return RunOutcome(code, run_dir.path, message, stats)
+
+
+def check_fault_injection() -> None:
+    """Refuse a malformed BATCHGEN_FAULT_INJECT before any work (JobError, exit 2)."""
+    from engine.fault_injection import FaultSpecError, from_environment
+
+    try:
+        from_environment()
+    except FaultSpecError as exc:
+        raise JobError(str(exc)) from None
+
+
+def _every_id_committed(run_dir: RunDir, ctx: JobContext) -> bool:
+    done_ids, _, _ = committed_ids(run_dir)
+    return len(done_ids) >= ctx.total_rows and all(i in done_ids for i in ctx.input.ids())
+
+
+def _stored_labels(job: JobSpec) -> dict[int, str] | None:
+    """The cluster names a finished run stored, for its report (nothing is embedded)."""
+    run_dir = RunDir(job.output.path)
+    if cluster_mode(job.batching) == "column":
+        return ClusterLabels(job.batching.cluster, run_dir.clusters_file).names()
+    if cluster_mode(job.batching) == "auto":
+        from batchgen.task_clusters import load_task_clusters
+
+        stored = load_task_clusters(run_dir.path / "clusters")
+        return stored.names() if stored is not None else None
+    return None
+
+
+def _supervise(llm, job: JobSpec, run_dir: RunDir, session: str, recording: bool):
+    """The engine's supervisor: a rebuilt engine records routing like the first, and the
+    routing an engine recorded is saved before it is dropped."""
+    retired = 0
+
+    def build(max_num_seqs: int | None):
+        new = load_llm(job, max_num_seqs=max_num_seqs)
+        start_routing_stats(job, new)
+        return new
+
+    def retire(old) -> None:
+        nonlocal retired
+        retired += 1
+        if recording:
+            save_routing_stats(run_dir, f"{session}.{retired}", old.routing_stats())
+
+    return EngineSupervisor(llm, build, retire, EngineFaultLog(run_dir.path, session))
+
+
+def _conclude(
+    run_dir: RunDir,
+    job: JobSpec,
+    job_path,
+    ctx: JobContext,
+    state: str,
+    labels: dict[int, str] | None,
+    gave_up: str | None = None,
+) -> tuple[int, str]:
+    """The exit code and summary line, counted from the manifest (so the verdict covers
+    every session of this run); writes the report, and _SUCCESS when finished."""
     done_ids, _, error_rows = committed_ids(run_dir)
     complete = len(done_ids) == ctx.total_rows
     if state == "budget":
         code = EXIT_BUDGET_EXCEEDED
-    elif state == "interrupted" or not complete:
+    elif state in ("interrupted", "engine_failed") or not complete:
         code = EXIT_INTERRUPTED
     elif error_rows:
         code = EXIT_SOME_ERRORS
     else:
         code = EXIT_OK
-    write_report(
-        run_dir,
-        job,
-        job_path,
-        exit_code=code,
-        total_rows=ctx.total_rows,
-        labels=labels.names() if labels else None,
-    )
+    write_report(run_dir, job, job_path, exit_code=code, total_rows=ctx.total_rows, labels=labels)
     if code in (EXIT_OK, EXIT_SOME_ERRORS):
         run_dir.success.write_text("")
     message = _summary(code, run_dir, len(done_ids), ctx.total_rows, error_rows, job_path)
-    if archived:
-        message += f" (previous run moved to {archived})"
-    log.info("session took %.1fs", time.time() - started)
-    return RunOutcome(code, run_dir.path, message, stats)
+    if gave_up is not None:
+        message = f"stopped: {gave_up}; " + message.removeprefix("interrupted: ")
+    return code, message
 
 
 def _summary(code: int, run_dir: RunDir, done: int, total: int, errors: int, job_path) -> str:
