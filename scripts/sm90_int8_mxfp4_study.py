@@ -122,7 +122,7 @@ def main() -> None:
     print(f"triton {triton.__version__}, sm_90 PTX, K loop instructions per thread (4 warps):")
     # the MMA kernel's tuned one-token config on the H200 (SWAP_AB, 64 rows, 128 deep)
     mma = dict(TOPK=6, WFMT=3, DENSE=False, BLOCK_M=16, BLOCK_N=64, BLOCK_K=128, F32_DOT=False,
-               MXFP4_ASM=True, MXFP4_DOT_SCALED=False, SWAP_AB=True, GU_SPLIT_K=2, GROUP_M=1)  # fmt: skip
+               SWAP_AB=True, GU_SPLIT_K=2, GROUP_M=1)  # fmt: skip
     n = loop_instructions(_fused_moe_kernels.moe_gate_up_kernel, MMA_GATE_UP, mma)[0]
     print(f"  MMA gate+up, 64 rows x 128: {n} for 64 weights, {n / 64:.2f} per weight")
     for block_n, block_k in ((32, 256), (64, 256), (64, 512)):

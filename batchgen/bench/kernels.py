@@ -423,14 +423,13 @@ def _swap_candidates(base: dict, fmt: str) -> list[dict]:
 
 
 def _mxfp4_candidates(base: dict, tokens: int, int8: bool) -> list[dict]:
-    """MXFP4: the heuristic's A @ W^T tile (decoded tiles through shared memory), Triton's
-    tl.dot_scaled, the SWAP_AB tiles (decoded tiles straight into wgmma), which won every
-    Moonlight shape on the H200 (2026-11-29, third session), and with `int8` up to 8
-    tokens the int8 path (table decode + dp4a, one pair per program). That one rounds the
-    activations to int8 per 32 (~1% relative on random weights, against ~0.4% for bf16
-    activations), so the tuner offers it only when asked."""
+    """MXFP4: the heuristic's A @ W^T tile (decoded tiles through shared memory), the
+    SWAP_AB tiles (decoded tiles straight into wgmma), and with `int8` up to 8 tokens the
+    int8 path (table decode + dp4a, one pair per program). That one rounds the activations
+    to int8 per 32 (~1% relative on random weights, against ~0.4% for bf16 activations), so
+    the tuner offers it only when asked."""
     a_wt = dict(base, SWAP_AB=False, BLOCK_N=64, BLOCK_K=128)  # the A @ W^T tile
-    out = [base, a_wt, dict(a_wt, BLOCK_N=128, MXFP4_DOT_SCALED=True)]
+    out = [base, a_wt, dict(a_wt, BLOCK_N=128)]
     if int8 and tokens <= INT8_MAX_TOKENS:
         out += [dict(KERNEL="int8", BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
                 for bn, bk, w in itertools.product((32, 64, 128), (128, 256, 512), (4, 8))]  # fmt: skip

@@ -221,8 +221,6 @@ def _apply_weights(
     WFMT: tl.constexpr,
     BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr,
-    ASM: tl.constexpr,
-    DOT_SCALED: tl.constexpr = False,
     SWAP_AB: tl.constexpr = False,
 ):
     """acc [BLOCK_M, BLOCK_N] += a[:, k0:k0+BLOCK_K] @ W^T for one step's stored weights
@@ -234,30 +232,20 @@ def _apply_weights(
     and odd columns in registers (one contiguous [BLOCK_M, BLOCK_K/2, 2] load, tl.split)
     instead of the weights being interleaved. The group scale is folded into each decoded
     weight (one bf16 multiply), so the dots accumulate straight into acc: no per-group
-    partial or epilogue.
-
-    MXFP4 with DOT_SCALED: Triton's own microscaled dot (`tl.dot_scaled`, bf16 x e2m1 with
-    E8M0 scales per 32) on the packed codes as stored, which leaves the upcast and its
-    operand layout to the compiler; a tuning candidate against the hand decode above."""
+    partial or epilogue. The decode is the PTX one on a GPU, plain Triton ops under the
+    interpreter (F32_DOT)."""
     if SWAP_AB:
         offs_k = k0 + tl.arange(0, BLOCK_K)
         a_t = tl.load(a_ptr[None, :] + offs_k[:, None],
                       mask=mask_m[None, :] & (offs_k < K)[:, None], other=0.0)  # fmt: skip
         if WFMT == 3:
-            w = _mxfp4_weight_rows(codes, _mxfp4_factors(scales), F32_DOT, ASM)
+            w = _mxfp4_weight_rows(codes, _mxfp4_factors(scales), F32_DOT, True)
             acc = mma(w, a_t.to(tl.bfloat16), acc, F32_DOT)
         elif WFMT == 0:
             acc = mma(codes, a_t, acc, F32_DOT)
         else:
             part = mma(codes.to(a_t.dtype), a_t, tl.zeros(acc.shape, tl.float32), F32_DOT)
             acc += part * _fp8_block_scales(scales, WFMT)[:, None]
-    elif WFMT == 3 and DOT_SCALED:
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        a = tl.load(a_ptr[:, None] + offs_k[None, :],
-                    mask=mask_m[:, None] & (offs_k < K)[None, :], other=0.0)  # fmt: skip
-        codes_k = tl.reshape(codes, (BLOCK_K // 2, codes.shape[2]))  # bytes along K, rows
-        acc = tl.dot_scaled(a.to(tl.bfloat16), None, "bf16", codes_k, tl.trans(scales), "e2m1",
-                            acc)  # fmt: skip
     elif WFMT == 3:
         HALF: tl.constexpr = BLOCK_K // 2
         offs_j = k0 // 2 + tl.arange(0, HALF)  # byte columns = pairs of k
@@ -266,7 +254,7 @@ def _apply_weights(
         a = tl.load(a_ptr[:, None, None] + 2 * offs_j[None, :, None] + parity[None, None, :],
                     mask=amask, other=0.0)  # fmt: skip
         a_even, a_odd = tl.split(a)  # [BLOCK_M, HALF] each
-        w_lo, w_hi = _mxfp4_weights(codes, _mxfp4_factors(scales)[:, None, :], F32_DOT, ASM)
+        w_lo, w_hi = _mxfp4_weights(codes, _mxfp4_factors(scales)[:, None, :], F32_DOT, True)
         acc = mma(a_even.to(tl.bfloat16), w_lo, acc, F32_DOT)
         acc = mma(a_odd.to(tl.bfloat16), w_hi, acc, F32_DOT)
     else:
@@ -355,8 +343,6 @@ def moe_gate_up_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr,
-    MXFP4_ASM: tl.constexpr = True,  # PTX nibble decode (ignored under the interpreter)
-    MXFP4_DOT_SCALED: tl.constexpr = False,  # tl.dot_scaled instead of the hand decode
     SWAP_AB: tl.constexpr = False,  # acc [BLOCK_N, BLOCK_M] = W @ x^T (module docstring)
     GU_SPLIT_K: tl.constexpr = 1,  # SWAP_AB only: grid axis 2 splits D; the last split to
     # arrive (arrival counter) sums the partials and applies SiLU * up
@@ -387,7 +373,7 @@ def moe_gate_up_kernel(
             w, s = _load_weights(w_e, ws_e, rows, mask_r, k0, k_end, stride_wn, stride_wsn,
                                  WFMT, BLOCK_K, SWAP_AB)  # fmt: skip
             acc = _apply_weights(acc, a_rows, mask_m, w, s, k0, k_end, WFMT, BLOCK_K, F32_DOT,
-                                 MXFP4_ASM, MXFP4_DOT_SCALED, SWAP_AB)  # fmt: skip
+                                 SWAP_AB)  # fmt: skip
         if GU_SPLIT_K > 1:
             # Few tokens: splitting D multiplies the programs streaming weights. Each split
             # stores its partial; the last to arrive adds the others' (read at L2: .cg) to
@@ -424,9 +410,9 @@ def moe_gate_up_kernel(
             wu, _ = _load_weights(w_e, ws_e, offs_n + I, mask_n, k0, D, stride_wn, stride_wsn,
                                   WFMT, BLOCK_K)  # fmt: skip
             acc_gate = _apply_weights(acc_gate, a_rows, mask_m, wg, wg, k0, D, WFMT, BLOCK_K,
-                                      F32_DOT, MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
+                                      F32_DOT)  # fmt: skip
             acc_up = _apply_weights(acc_up, a_rows, mask_m, wu, wu, k0, D, WFMT, BLOCK_K,
-                                    F32_DOT, MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
+                                    F32_DOT)  # fmt: skip
     else:
         # Codes pass through a decode before the dot, and Triton does not pipeline such
         # loads: the next step's codes are loaded before this step's math (a register
@@ -441,9 +427,9 @@ def moe_gate_up_kernel(
             nwu, nsu = _load_weights(w_e, ws_e, offs_n + I, mask_n, k0 + BLOCK_K, D, stride_wn,
                                      stride_wsn, WFMT, BLOCK_K)  # fmt: skip
             acc_gate = _apply_weights(acc_gate, a_rows, mask_m, wg, sg, k0, D, WFMT, BLOCK_K,
-                                      F32_DOT, MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
+                                      F32_DOT)  # fmt: skip
             acc_up = _apply_weights(acc_up, a_rows, mask_m, wu, su, k0, D, WFMT, BLOCK_K,
-                                    F32_DOT, MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
+                                    F32_DOT)  # fmt: skip
             wg, sg, wu, su = nwg, nsg, nwu, nsu
     h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
     h_out = h_ptr + pairs.to(tl.int64)[:, None] * stride_hp + offs_n[None, :]
@@ -479,8 +465,6 @@ def moe_down_kernel(
     BLOCK_N: tl.constexpr,
     BLOCK_K: tl.constexpr,
     F32_DOT: tl.constexpr,
-    MXFP4_ASM: tl.constexpr = True,  # PTX nibble decode (ignored under the interpreter)
-    MXFP4_DOT_SCALED: tl.constexpr = False,  # tl.dot_scaled instead of the hand decode
     SPLIT_K: tl.constexpr = 1,  # grid axis 2: K splits, each adding its partial into y
     SWAP_AB: tl.constexpr = False,  # acc [BLOCK_N, BLOCK_M] = W @ h^T (module docstring)
     GROUP_M: tl.constexpr = 1,  # token tiles per launch-order group (_tile_ids)
@@ -506,15 +490,14 @@ def moe_down_kernel(
             w, s = _load_weights(w_e, ws_e, offs_n, mask_n, k0, k_end, stride_wn, stride_wsn,
                                  WFMT, BLOCK_K, SWAP_AB)  # fmt: skip
             acc = _apply_weights(acc, a_rows, mask_m, w, s, k0, k_end, WFMT, BLOCK_K, F32_DOT,
-                                 MXFP4_ASM, MXFP4_DOT_SCALED, SWAP_AB)  # fmt: skip
+                                 SWAP_AB)  # fmt: skip
     else:  # next step's codes loaded before this step's math, as in moe_gate_up_kernel
         w, s = _load_weights(w_e, ws_e, offs_n, mask_n, k_lo, k_end, stride_wn, stride_wsn,
                              WFMT, BLOCK_K)  # fmt: skip
         for k0 in range(k_lo, k_end, BLOCK_K):
             nw, ns = _load_weights(w_e, ws_e, offs_n, mask_n, k0 + BLOCK_K, k_end, stride_wn,
                                    stride_wsn, WFMT, BLOCK_K)  # fmt: skip
-            acc = _apply_weights(acc, a_rows, mask_m, w, s, k0, k_end, WFMT, BLOCK_K, F32_DOT,
-                                 MXFP4_ASM, MXFP4_DOT_SCALED)  # fmt: skip
+            acc = _apply_weights(acc, a_rows, mask_m, w, s, k0, k_end, WFMT, BLOCK_K, F32_DOT)
             w, s = nw, ns
     # The combine: a tile holds one expert, so its rows are distinct tokens; tiles of other
     # experts add to the same rows, hence atomics (float32: the order changes only the

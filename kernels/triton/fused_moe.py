@@ -25,8 +25,7 @@ expert ([E, ceil(N/128), ceil(K/128)], float32 or E8M0 uint8); "mxfp4": packed u
 each nibble to bf16 with its group scale folded in (exact for E8M0 scales up to 2^1, i.e.
 |w| <= 12, which every real checkpoint's experts are far inside; a larger scale is clamped
 to 2^1, and the engine refuses such checkpoints at load) and multiplies bf16 activations
-(fp16 ones are rounded to bf16 first); `MXFP4_DOT_SCALED` in a config uses Triton's
-tl.dot_scaled on the stored codes instead.
+(fp16 ones are rounded to bf16 first).
 
 MXFP4 experts also have an int8 path for 1-8 tokens (config "KERNEL": "int8",
 _moe_int8_kernels.py): the codes become exact int8 through a byte-permute table and meet
@@ -404,7 +403,7 @@ def _check_config(cfg: dict, fmt: str) -> None:
             "int8 needs BLOCK_N a multiple of 32 (gate+up quantizes whole 32-unit blocks of "
             f"h), got {cfg['BLOCK_N']}"
         )
-        others = {"SWAP_AB", "GU_SPLIT_K", "SPLIT_K", "MXFP4_DOT_SCALED", "MXFP4_ASM", "GROUP_M"}
+        others = {"SWAP_AB", "GU_SPLIT_K", "SPLIT_K", "GROUP_M"}
         others &= set(cfg)
         assert not others, f"options of the MMA kernels do not apply to the int8 ones: {others}"
         return
@@ -414,9 +413,6 @@ def _check_config(cfg: dict, fmt: str) -> None:
         assert cfg["BLOCK_K"] % 32 == 0, (
             f"MXFP4 needs BLOCK_K a multiple of 32, got {cfg['BLOCK_K']}"
         )
-    assert not (cfg.get("SWAP_AB") and cfg.get("MXFP4_DOT_SCALED")), (
-        "MXFP4_DOT_SCALED is an A @ W^T tile option; it does not combine with SWAP_AB"
-    )
     assert cfg.get("GU_SPLIT_K", 1) == 1 or cfg.get("SWAP_AB"), "GU_SPLIT_K needs SWAP_AB"
     assert isinstance(cfg.get("GROUP_M", 1), int) and cfg.get("GROUP_M", 1) >= 1, (
         f"GROUP_M must be a positive int, got {cfg.get('GROUP_M')!r}"
@@ -445,9 +441,8 @@ def _gate_up_split_buffers(
 def _launch_meta(cfg: dict) -> dict:
     """A config's meta-parameters and launch options, as every launch here passes them."""
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
-                F32_DOT=interpreting(), MXFP4_ASM=cfg.get("MXFP4_ASM", True),
-                MXFP4_DOT_SCALED=cfg.get("MXFP4_DOT_SCALED", False),
-                SWAP_AB=cfg.get("SWAP_AB", False), GROUP_M=cfg.get("GROUP_M", 1),
+                F32_DOT=interpreting(), SWAP_AB=cfg.get("SWAP_AB", False),
+                GROUP_M=cfg.get("GROUP_M", 1),
                 num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3))  # fmt: skip
 
 

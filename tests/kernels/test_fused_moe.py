@@ -137,16 +137,6 @@ def test_fused_moe_down_split_k(fmt, split):
     assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
 
 
-@pytest.mark.parametrize("t,block_m,block_k", [(1, 16, 64), (6, 16, 128), (40, 32, 64)])
-def test_fused_moe_mxfp4_through_dot_scaled(t, block_m, block_k):
-    # the tl.dot_scaled candidate: the same result as the reference from the packed codes
-    args, kw = make_moe(t, d=128, i=96, e=5, a=2, fmt="mxfp4", seed=t)
-    cfg = dict(BLOCK_M=block_m, BLOCK_N=32, BLOCK_K=block_k, MXFP4_DOT_SCALED=True,
-               num_warps=4, num_stages=2)  # fmt: skip
-    out = fused_moe(*args, **kw, config=cfg)
-    assert rel_err(out, fused_moe_reference(*args, **kw)) < 2e-2
-
-
 @pytest.mark.parametrize("block_k", [32, 128, 256])
 def test_fused_moe_mxfp4_wide_k_steps(block_k):
     # K = 96 is not a multiple of a 128 or 256 step: its last groups are masked
@@ -191,7 +181,7 @@ def test_launches_pass_only_kernel_parameters(monkeypatch):
     shared = random_shared(128, 128, "mxfp4", seed=2)
     swap = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SWAP_AB=True, GU_SPLIT_K=2, SPLIT_K=2)
     monkeypatch.setattr(fused_moe_module, "dense_config", lambda *a, **k: dict(swap))
-    for cfg in (swap, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, MXFP4_DOT_SCALED=True)):
+    for cfg in (swap, dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64)):
         fused_moe(*args, **kw, shared=shared, config=cfg)
     options = {"num_warps", "num_stages"}
     for rec in recorders.values():
@@ -201,9 +191,6 @@ def test_launches_pass_only_kernel_parameters(monkeypatch):
 
 def test_swapped_configs_refuse_options_of_the_other_orientation():
     args, kw = make_moe(2, d=64, i=64, e=3, a=2, fmt="mxfp4", seed=1)
-    both = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SWAP_AB=True, MXFP4_DOT_SCALED=True)
-    with pytest.raises(AssertionError, match="does not combine with SWAP_AB"):
-        fused_moe(*args, **kw, config=both)
     with pytest.raises(AssertionError, match="GU_SPLIT_K needs SWAP_AB"):
         fused_moe(*args, **kw, config=dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, GU_SPLIT_K=2))
 
@@ -492,5 +479,5 @@ def test_down_overrides_are_checked():
     base = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
     with pytest.raises(AssertionError, match="DOWN may set"):
         fused_moe(*args, **kw, config=dict(base, DOWN=dict(BLOCK_M=32)))
-    with pytest.raises(AssertionError, match="MXFP4_DOT_SCALED"):  # the merged config too
-        fused_moe(*args, **kw, config=dict(base, MXFP4_DOT_SCALED=True, DOWN=dict(SWAP_AB=True)))
+    with pytest.raises(AssertionError, match="FP8 needs BLOCK_K"):  # the merged config too
+        fused_moe_module._check_config(dict(base, BLOCK_K=128, DOWN=dict(BLOCK_K=96)), "fp8")
