@@ -99,8 +99,8 @@ def main() -> None:
                     counters_ptr="*i32")  # fmt: skip
     # (value_blocks 4: batch 1's launch, each program owning 128 of the 512 output columns)
     for splits, warps, block_t, prefetch, vblocks in (
-        (4, 8, 32, 1, 1), (16, 8, 32, 1, 1), (1, 4, 32, 1, 1), (4, 8, 16, 2, 1),
-        (4, 8, 32, 1, 4), (4, 4, 32, 1, 4), (4, 8, 16, 2, 2),
+        (4, 8, 32, 1, 1), (16, 8, 32, 1, 1), (1, 4, 32, 1, 1), (4, 8, 16, 1, 1),
+        (4, 8, 32, 1, 4), (4, 4, 32, 1, 4), (4, 8, 16, 1, 2),
     ):  # fmt: skip
         meta = dict(KVL=512, R=64, BS=16, NUM_SPLITS=splits, BLOCK_S=triton.next_power_of_2(splits),
                     MERGE_UNROLL=min(4, splits), BLOCK_H=16, BLOCK_T=block_t,

@@ -71,11 +71,10 @@ def engine_settings(batch: int, context: int, heads: int, device) -> dict:
 
 def _settings(batch: int, context: int, heads: int, device) -> list[dict]:
     """Tile x warps x stages at the split count the engine would choose for that tile,
-    then what split sequences prefetch (nothing, page indices, page indices and tiles) at
-    8 warps, where 16- and 32-slot tiles fit their registers (sm_90: 200 and 255 at
-    prefetch 2), all with one value block (the launch before value blocks existed); then
-    the engine's launch with its output columns over 1, 2, 4 and 8 programs at 4 and 8
-    warps. bench_case then tries half and twice the best one's splits."""
+    then split sequences without the page-index prefetch at 16- and 32-slot tiles and 8
+    warps, all with one value block; then the engine's launch with its output columns over
+    1, 2, 4 and 8 programs at 4 and 8 warps. bench_case then tries half and twice the best
+    one's splits."""
     from kernels.triton.mla_decode import choose_num_splits
 
     out = []
@@ -83,10 +82,9 @@ def _settings(batch: int, context: int, heads: int, device) -> list[dict]:
         splits = choose_num_splits(batch, context, heads, device, block_t)
         out.append(dict(block_t=block_t, num_warps=warps, num_stages=stages, splits=splits,
                         prefetch=1))  # fmt: skip
-    for block_t, prefetch in itertools.product((16, 32), (0, 2)):
+    for block_t in (16, 32):
         splits = choose_num_splits(batch, context, heads, device, block_t)
-        out.append(dict(block_t=block_t, num_warps=8, num_stages=2, splits=splits,
-                        prefetch=prefetch))  # fmt: skip
+        out.append(dict(block_t=block_t, num_warps=8, num_stages=2, splits=splits, prefetch=0))
     engine = engine_settings(batch, context, heads, device)
     for blocks in (1, 2, 4, 8):
         for warps in (4, 8):

@@ -54,7 +54,7 @@ def _attend_chunk(
     BLOCK_T: tl.constexpr,
     BLOCK_V: tl.constexpr,
     F32_DOT: tl.constexpr,
-    PREFETCH: tl.constexpr,  # 0, 1 (page indices) or 2 (and tiles) one tile ahead
+    PREFETCH: tl.constexpr,  # 1: page indices one tile ahead; 0: each tile's own
 ):
     """Online softmax over cache slots [start, end): (acc [BLOCK_H, BLOCK_V] unnormalised,
     the output's latent columns [v0, v0 + BLOCK_V); running max m [BLOCK_H], running sum l
@@ -64,40 +64,23 @@ def _attend_chunk(
     acc = tl.zeros((BLOCK_H, BLOCK_V), tl.float32)
     pages = block_tables_ptr + b * stride_bt
     # Triton does not pipeline this loop (its tile loads hang off the page-index loads), so
-    # PREFETCH does by hand: 1 loads each tile's page indices one iteration ahead, beside
-    # the previous tile's data (one DRAM round trip per tile instead of two dependent
-    # ones, for ~20 registers); 2 also the tile itself (nothing waits on memory but the
-    # first tile, for the tile's registers again). Where one program per sequence fills the
-    # GPU (PREFETCH 0), those registers would spill and other programs hide the latency.
+    # PREFETCH 1 does by hand: each tile's page indices are loaded one iteration ahead,
+    # beside the previous tile's data (one DRAM round trip per tile instead of two
+    # dependent ones, for ~20 registers). Where one program per sequence fills the GPU
+    # (PREFETCH 0), those registers would spill and other programs hide the latency.
     offs_t = start + tl.arange(0, BLOCK_T)
     page_next = tl.load(pages + offs_t // BS, mask=(offs_t < end) & (PREFETCH > 0), other=0)
-    if PREFETCH == 2:
-        c_next, kr_next = _load_tile(cache_ptr, page_next, offs_t, end, stride_cblk,
-                                     stride_cslot, KVL, R, BS)  # fmt: skip
-        page_cur = page_next  # the page of the tile in c_next (for a value slice)
-        offs_t += BLOCK_T
-        page_next = tl.load(pages + offs_t // BS, mask=offs_t < end, other=0)
     for t0 in range(start, end, BLOCK_T):
         offs_t = t0 + tl.arange(0, BLOCK_T)
         mask_t = offs_t < end
-        if PREFETCH == 2:
-            c, kr = c_next, kr_next
-            page = page_cur
+        if PREFETCH == 1:
+            page = page_next
             offs_n = offs_t + BLOCK_T
-            page_cur = page_next
-            c_next, kr_next = _load_tile(cache_ptr, page_next, offs_n, end, stride_cblk,
-                                         stride_cslot, KVL, R, BS)  # fmt: skip
-            offs_n += BLOCK_T
             page_next = tl.load(pages + offs_n // BS, mask=offs_n < end, other=0)
         else:
-            if PREFETCH == 1:
-                page = page_next
-                offs_n = offs_t + BLOCK_T
-                page_next = tl.load(pages + offs_n // BS, mask=offs_n < end, other=0)
-            else:
-                page = tl.load(pages + offs_t // BS, mask=mask_t, other=0)
-            c, kr = _load_tile(cache_ptr, page, offs_t, end, stride_cblk, stride_cslot,
-                               KVL, R, BS)  # fmt: skip
+            page = tl.load(pages + offs_t // BS, mask=mask_t, other=0)
+        c, kr = _load_tile(cache_ptr, page, offs_t, end, stride_cblk, stride_cslot,
+                           KVL, R, BS)  # fmt: skip
         s = tl.zeros((BLOCK_H, BLOCK_T), tl.float32)
         s = mma(qc, tl.trans(c), s, F32_DOT)
         s = mma(qr, tl.trans(kr), s, F32_DOT)

@@ -95,9 +95,9 @@ def mla_decode(
 ) -> torch.Tensor:
     """Returns [B, H, KVL] in q_c's dtype. See the module docstring for the layouts.
     `prefetch` (split sequences only): 1 loads each cache tile's page indices one tile
-    ahead (H200, batch 1, context 256: 12.5 -> 11.8 us, mla-decode-h200-v3.json), 2 the
-    tiles too (not yet timed), 0 neither. `value_blocks` (default_value_blocks when None)
-    splits each head block's output columns over that many programs."""
+    ahead (H200, batch 1: 12.5 -> 11.8 us per launch, docs/notes-gpu-engine.md), 0 does not.
+    `value_blocks` (default_value_blocks when None) splits each head block's output
+    columns over that many programs."""
     assert q_c.dim() == 3 and q_rope.dim() == 3, "q_c and q_rope must be [B, H, D]"
     bsz, heads, kvl = q_c.shape
     r = q_rope.shape[-1]
@@ -112,7 +112,7 @@ def mla_decode(
     assert context_lens.shape == (bsz,), f"context_lens must be [{bsz}]"
     assert q_c.stride(-1) == 1 and q_rope.stride(-1) == 1 and kv_cache.stride(-1) == 1
     assert num_splits >= 1, f"num_splits must be >= 1, got {num_splits}"
-    assert prefetch in (0, 1, 2), f"prefetch must be 0, 1 or 2, got {prefetch}"
+    assert prefetch in (0, 1), f"prefetch must be 0 or 1, got {prefetch}"
     if value_blocks is None:
         value_blocks = default_value_blocks(bsz, heads, num_splits, kvl, q_c.device)
     assert (
