@@ -47,7 +47,6 @@ from batchgen.writer import PartWriter
 log = logging.getLogger(__name__)
 
 EXIT_OK = 0
-EXIT_JOB_ERROR = 2
 EXIT_SOME_ERRORS = 3
 EXIT_BUDGET_EXCEEDED = 4
 EXIT_INTERRUPTED = 5

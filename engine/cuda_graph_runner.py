@@ -304,8 +304,3 @@ class CudaGraphRunner:
             return host.tolist()
 
         return read
-
-    def replay(self, seqs: list[Sequence], bucket: int) -> None:
-        """Fill the inputs and launch the graph (no sync; benchmarks and profiling)."""
-        self.inputs.fill(seqs, bucket)
-        self.graphs[bucket].replay()

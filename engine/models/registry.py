@@ -19,11 +19,6 @@ _FAMILIES: dict[str, str] = {
 }
 
 
-def register_family(names: list[str], target: str) -> None:
-    for name in names:
-        _FAMILIES[name] = target
-
-
 def model_class_for(config: dict) -> type:
     """Pick the family from a config.json dict: `architectures` first, then `model_type`."""
     candidates = list(config.get("architectures") or []) + [config.get("model_type")]

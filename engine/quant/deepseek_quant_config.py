@@ -69,9 +69,6 @@ class DeepseekQuantConfig(QuantConfig):
             return Mxfp4Format()
         return UnquantizedExperts()
 
-    def describe(self) -> str:
-        return f"dense={self.dense} experts={self.experts} fp8_scales={self.fp8_scale_format}"
-
     @classmethod
     def from_config(
         cls, config: dict, tensor_names: Iterable[str] | None = None

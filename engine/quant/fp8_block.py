@@ -9,7 +9,6 @@ backend replaces `apply` / `apply_expert` with a kernel reading the same tensors
 from __future__ import annotations
 
 import torch
-from torch import nn
 
 from engine.quant.base import WeightFormat
 from engine.quant.expert_format import (
@@ -86,7 +85,3 @@ class Fp8BlockFormat(WeightFormat, ExpertWeightFormat):
             weight.shape[1],
             lambda r0, r1, dtype: dequantize_fp8_block(weight, scale, r0, r1, dtype),
         )
-
-
-def is_fp8_layer(layer: nn.Module) -> bool:
-    return isinstance(getattr(layer, "format", None), Fp8BlockFormat)
