@@ -41,7 +41,14 @@ def check_run_dir(job: JobSpec, new_run: bool) -> None:
     if run_dir.exists():
         if new_run:
             return
-        stored = json.loads(run_dir.job_file.read_text())
+        try:
+            stored = json.loads(run_dir.job_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise JobError(
+                f"output.path: {run_dir.job_file} cannot be read ({exc}), so the run there "
+                "cannot be checked against this job; rerun with --new-run to start over "
+                "(the old run is kept aside), or point output.path elsewhere"
+            ) from None
         if stored.get("fingerprint") != job.fingerprint:
             changed = _changed_fields(stored.get("fingerprint_fields", {}), _jsonable(job))
             raise JobError(

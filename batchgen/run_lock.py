@@ -19,6 +19,8 @@ from pathlib import Path
 
 from batchgen.job_spec import JobError
 
+_TRIES = 5
+
 
 def lock_path(run_path: str | Path) -> Path:
     run = Path(os.path.abspath(run_path))
@@ -45,7 +47,7 @@ class RunLock:
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
-            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            _flock_exclusive(fd)
         except BlockingIOError:
             holder = _describe(_read_holder(fd))
             os.close(fd)
@@ -66,6 +68,34 @@ class RunLock:
         if self._fd is not None:
             os.close(self._fd)  # closing the only descriptor drops the flock
             self._fd = None
+
+
+def _flock_exclusive(fd: int) -> None:
+    # A few tries: `held_by` (report --verify) holds a shared lock for an instant; a run
+    # holds its lock for the whole run.
+    for _ in range(_TRIES - 1):
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            return
+        except BlockingIOError:
+            time.sleep(0.05)
+    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+
+
+def held_by(run_path: str | Path) -> str | None:
+    """Who holds the run's lock now ("pid N on host H, since ..."), or None; takes no
+    lock and writes nothing (a shared lock is tried and dropped at once)."""
+    try:
+        fd = os.open(lock_path(run_path), os.O_RDONLY)
+    except FileNotFoundError:
+        return None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+    except BlockingIOError:
+        return _describe(_read_holder(fd))
+    finally:
+        os.close(fd)
+    return None
 
 
 def _read_holder(fd: int) -> dict:

@@ -206,8 +206,7 @@ class PartWriter:
         # The buffer only ever holds whole input rows, so a part never splits the n
         # completions of one row.
         if len(self.buffer) >= self.rows_per_part:
-            self._write_part(self.buffer)
-            self.buffer = []
+            self._write_part(self._take_buffer())
 
     def _release_in_order(self) -> None:
         while self._expected and self._held and self._held[0][0] == self._expected[0]:
@@ -227,16 +226,22 @@ class PartWriter:
                 self.buffer.append(heapq.heappop(self._held)[2])
             self._expected.clear()
         if self.buffer:
-            self._write_part(self.buffer)
-            self.buffer = []
+            self._write_part(self._take_buffer())
 
     def commit_ready(self) -> None:
         """Write the rows released so far as a (possibly short) part; rows held for input
         order stay held (their predecessors are still running). After an engine fault,
         so that what finished is on disk before the engine is rebuilt."""
         if self.failed is None and self.buffer:
-            self._write_part(self.buffer)
-            self.buffer = []
+            self._write_part(self._take_buffer())
+
+    def _take_buffer(self) -> list[ResultRow]:
+        # Out of the buffer before the write: a write interrupted after its manifest line
+        # (a signal lands between any two bytecodes) must not leave its rows to be
+        # written again. A write that fails leaves its rows uncommitted: they run again
+        # on resume.
+        rows, self.buffer = self.buffer, []
+        return rows
 
     def _table(self, rows: list[ResultRow]) -> pa.Table:
         columns = {

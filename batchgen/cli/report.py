@@ -27,8 +27,15 @@ def report_cmd(run_dir: str, verify: bool) -> None:
         sys.exit(2)
     if verify:
         from batchgen.run_dir_check import verify as verify_run
+        from batchgen.run_lock import held_by
 
         lines, whole = verify_run(rd)
+        holder = held_by(rd.path)
+        if holder is not None:
+            lines.append(
+                f"note: a run is writing here now ({holder}): a part it has not committed "
+                "yet shows as not committed"
+            )
         for line in lines:
             click.echo(line)
         sys.exit(0 if whole else 2)

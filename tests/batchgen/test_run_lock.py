@@ -14,7 +14,7 @@ import pytest
 from batchgen.job_spec import JobError, parse_job
 from batchgen.progress import Progress
 from batchgen.run import run_job
-from batchgen.run_lock import RunLock, lock_path
+from batchgen.run_lock import RunLock, held_by, lock_path
 from tests.batchgen.conftest import FakeLLM, sentence_rows
 from tests.batchgen.run_process import (
     int_id_rows,
@@ -69,9 +69,11 @@ def test_lock_is_released_when_its_holder_is_killed(tmp_path):
         assert holder.stdout.readline().strip() == "held"
         with pytest.raises(JobError, match=rf"pid {holder.pid} on host"):
             RunLock(run_path).acquire()
+        assert held_by(run_path).startswith(f"pid {holder.pid} on host")
     finally:
         holder.kill()  # SIGKILL: no cleanup of any kind runs
         holder.wait()
+    assert held_by(run_path) is None
     with RunLock(run_path):  # the OS dropped the lock with its process
         pass
     assert lock_path(run_path) == tmp_path / ".run.lock"
