@@ -86,6 +86,12 @@ def attention(
     probabilities' sum and their weighted sum of values are accumulated block by block of
     KEY_BLOCK keys, in key order, each block of fixed length (keys past L are zero and
     masked, so they add exact zeros)."""
+    if q.device.type != "cpu":
+        # GPU kernels are not batch-invariant (docs/batch-invariance.md): the plain form,
+        # without the block loop's launches
+        scores = torch.bmm(q.float(), k.float().transpose(1, 2)) * scale
+        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
+        return torch.bmm(probs, v.float())
     S, M, _ = q.shape
     L, E = k.shape[1], v.shape[2]
     blocks = max(1, -(-L // KEY_BLOCK))
