@@ -1,11 +1,19 @@
 """The job file: YAML validated by pydantic models that forbid unknown keys, so a typo is an
-error that names the key. Relative paths are taken from the directory batchgen runs in, as
-in the README's `batchgen run jobs/translate.yaml` run from the repository root."""
+error that names the key, and that take every value in its own type (strict: `max_tokens:
+true` or `"4"` is an error, not 1 or 4; a float field still takes an int). Relative paths
+are taken from the directory batchgen runs in, as in the README's `batchgen run
+jobs/translate.yaml` run from the repository root.
+
+A job file is untrusted input: the YAML loader counts every node as composed, an alias at
+the size of what it repeats, and refuses a file past MAX_YAML_NODES (a "billion laughs"
+file is a few hundred bytes that expand to billions of nodes); recursive aliases are
+refused; no message ever formats more than a short, cut view of a value."""
 
 from __future__ import annotations
 
 import hashlib
 import json
+import reprlib
 from pathlib import Path
 from typing import Literal
 
@@ -13,6 +21,12 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
+# A job file is a few dozen keys; these bounds are orders of magnitude above any real one.
+MAX_JOB_FILE_BYTES = 1 << 20
+MAX_YAML_NODES = 10_000
+# How much of a user's value a message shows, and how many problems it lists.
+MAX_SHOWN_CHARS = 200
+MAX_SHOWN_PROBLEMS = 5
 
 
 class JobError(Exception):
@@ -20,7 +34,7 @@ class JobError(Exception):
 
 
 class _Section(BaseModel):
-    model_config = ConfigDict(extra="forbid", frozen=True)
+    model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
 class InputSpec(_Section):
@@ -142,27 +156,105 @@ class JobSpec(_Section):
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
+_SHORT = reprlib.Repr()
+_SHORT.maxlevel, _SHORT.maxlist, _SHORT.maxdict = 2, 4, 4
+_SHORT.maxstring = _SHORT.maxother = 60
+
+
+def short_repr(value: object) -> str:
+    """A bounded view of any value for a message: reprlib never walks more than a few
+    items per level, so a shared-reference structure of billions of items costs nothing."""
+    return cut(_SHORT.repr(value))
+
+
+def cut(text: str, limit: int = MAX_SHOWN_CHARS) -> str:
+    return text if len(text) <= limit else text[: limit - 1] + "…"
+
+
 def _format_validation_error(exc: ValidationError) -> str:
     lines = []
-    for err in exc.errors():
+    errors = exc.errors()
+    for err in errors[:MAX_SHOWN_PROBLEMS]:
         where = ".".join(str(part) for part in err["loc"]) or "(top level)"
         if err["type"] == "extra_forbidden":
             lines.append(f"unknown key '{where}'")
         elif err["type"] == "missing":
             lines.append(f"missing key '{where}'")
         else:
-            lines.append(f"'{where}': {err['msg']}")
+            got = err.get("input")
+            lines.append(
+                f"'{where}': {cut(err['msg'])} (got {type(got).__name__} {short_repr(got)})"
+            )
+    if len(errors) > MAX_SHOWN_PROBLEMS:
+        lines.append(f"and {len(errors) - MAX_SHOWN_PROBLEMS} more problems")
     return "; ".join(lines)
 
 
 def parse_job(data: object, source: str = "job") -> JobSpec:
     """Validate a job given as a dict (already parsed YAML)."""
     if not isinstance(data, dict):
-        raise JobError(f"{source}: the job file must be a mapping of sections, got {data!r:.80}")
+        raise JobError(
+            f"{source}: the job file must be a mapping of sections, got "
+            f"{type(data).__name__} {short_repr(data)}"
+        )
     try:
         return JobSpec.model_validate(data)
     except ValidationError as exc:
         raise JobError(f"{source}: {_format_validation_error(exc)}") from None
+
+
+class _BoundedLoader(yaml.SafeLoader):
+    """SafeLoader that counts the nodes a document expands to (an alias counts as the
+    whole subtree it repeats) and stops past MAX_YAML_NODES, before anything is built
+    from them. Aliases are allowed within that bound; an alias to a node that is still
+    being composed (a recursive structure) is refused."""
+
+    def __init__(self, stream) -> None:
+        super().__init__(stream)
+        self.expanded_nodes = 0
+        self._subtree_nodes: dict[int, int] = {}  # id(node) -> expanded nodes under it
+
+    def _count(self, nodes: int, mark) -> None:
+        self.expanded_nodes += nodes
+        if self.expanded_nodes > MAX_YAML_NODES:
+            raise yaml.composer.ComposerError(
+                None,
+                None,
+                f"the document expands to more than {MAX_YAML_NODES:,} YAML nodes (aliases "
+                "counted at the size of what they repeat); a job file needs far fewer",
+                mark,
+            )
+
+    def compose_node(self, parent, index):
+        if self.check_event(yaml.AliasEvent):
+            event = self.peek_event()
+            target = self.anchors.get(event.anchor)
+            if target is not None:  # an unknown anchor: the composer names it
+                size = self._subtree_nodes.get(id(target))
+                if size is None:
+                    raise yaml.composer.ComposerError(
+                        None,
+                        None,
+                        f"alias *{cut(event.anchor, 60)} refers to a node that contains it "
+                        "(a recursive structure)",
+                        event.start_mark,
+                    )
+                self._count(size, event.start_mark)
+            return super().compose_node(parent, index)
+        before = self.expanded_nodes
+        self._count(1, self.peek_event().start_mark)
+        node = super().compose_node(parent, index)
+        self._subtree_nodes[id(node)] = self.expanded_nodes - before
+        return node
+
+
+def load_yaml(text: str) -> object:
+    """One YAML document, safely and within MAX_YAML_NODES (raises yaml.YAMLError)."""
+    loader = _BoundedLoader(text)
+    try:
+        return loader.get_single_data()
+    finally:
+        loader.dispose()
 
 
 def load_job(path: str | Path) -> JobSpec:
@@ -170,8 +262,28 @@ def load_job(path: str | Path) -> JobSpec:
     path = Path(path)
     if not path.is_file():
         raise JobError(f"job file not found: {path}")
+    size = path.stat().st_size
+    if size > MAX_JOB_FILE_BYTES:
+        raise JobError(
+            f"{path}: {size:,} bytes; a job file is at most {MAX_JOB_FILE_BYTES:,} bytes "
+            "(put data in the input Parquet, not in the job)"
+        )
     try:
-        data = yaml.safe_load(path.read_text())
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise JobError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from None
+    try:
+        data = load_yaml(text)
     except yaml.YAMLError as exc:
-        raise JobError(f"{path}: not valid YAML: {exc}") from None
+        raise JobError(f"{path}: not valid YAML: {_yaml_problem(exc)}") from None
     return parse_job(data, source=str(path))
+
+
+def _yaml_problem(exc: yaml.YAMLError) -> str:
+    """One line: the problem and where, without the snippet PyYAML draws under it."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem:
+        mark = exc.problem_mark
+        where = f" (line {mark.line + 1}, column {mark.column + 1})" if mark else ""
+        context = f"{exc.context}: " if exc.context else ""
+        return cut(f"{context}{exc.problem}{where}", 500)
+    return cut(" ".join(str(exc).split()), 500)
