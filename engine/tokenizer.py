@@ -8,6 +8,9 @@ from __future__ import annotations
 
 import json
 import logging
+from bisect import bisect_right
+from collections.abc import Sequence
+from functools import cached_property
 from pathlib import Path
 
 TOKENIZER_FILES = (
@@ -72,6 +75,92 @@ class Tokenizer:
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(self.hf.encode(text, add_special_tokens=add_special_tokens))
+
+    @cached_property
+    def special_tokens(self) -> list[str]:
+        """Every string this tokenizer turns into a special token (BOS, EOS, role markers,
+        reserved tokens), longest first."""
+        tokens = {t.content for t in self.hf.added_tokens_decoder.values() if t.special}
+        tokens.update(self.hf.all_special_tokens)
+        return sorted((t for t in tokens if t), key=lambda t: (-len(t), t))
+
+    @cached_property
+    def special_token_ids(self) -> frozenset[int]:
+        ids = {i for i, t in self.hf.added_tokens_decoder.items() if t.special}
+        return frozenset(ids | set(self.hf.all_special_ids))
+
+    def encode_with_data(
+        self,
+        text: str,
+        data_spans: Sequence[tuple[int, int]],
+        add_special_tokens: bool = True,
+    ) -> list[int]:
+        """Token ids of `text` in which no special token comes from data.
+
+        `data_spans` are sorted, disjoint [start, end) character ranges of `text` that hold
+        data (a prompt's row values). A special token the tokenizer finds inside one, or
+        across its edge, is encoded as ordinary text instead; special tokens elsewhere stay
+        special. Text without such a token encodes exactly as `encode` does."""
+        affixes = self._post_processor_affixes if add_special_tokens else ([], [])
+        ids, offsets = self._ids_and_offsets(text)
+        starts = [s for s, _ in data_spans]
+        kept: list[tuple[int, int, int]] = []  # (start, end, id) of the text's own specials
+        forged = False
+        for token, (start, end) in zip(ids, offsets):
+            if token not in self.special_token_ids:
+                continue
+            i = bisect_right(starts, end - 1) - 1  # the last span starting inside the token
+            if start < end and i >= 0 and data_spans[i][1] > start:
+                forged = True
+            else:
+                kept.append((start, end, token))
+        if forged:
+            ids, pos = [], 0
+            for start, end, token in kept:
+                ids += self._ordinary(text[pos:start])
+                ids.append(token)
+                pos = end
+            ids += self._ordinary(text[pos:])
+        return affixes[0] + ids + affixes[1]
+
+    def _ids_and_offsets(
+        self, text: str, split_special_tokens: bool = False
+    ) -> tuple[list[int], list[tuple[int, int]]]:
+        """Token ids and their character ranges, without the post-processor's tokens;
+        split_special_tokens encodes special-token strings as the text they spell."""
+        backend = getattr(self.hf, "backend_tokenizer", None)
+        if backend is None:
+            enc = self.hf(
+                text,
+                add_special_tokens=False,
+                return_offsets_mapping=True,
+                split_special_tokens=split_special_tokens,
+            )
+            return list(enc["input_ids"]), enc["offset_mapping"]
+        # A fast tokenizer: straight to the Rust encoder. The flag is state on it (as
+        # transformers itself sets it on each call), so set it and put it back.
+        previous = backend.encode_special_tokens
+        backend.encode_special_tokens = split_special_tokens
+        try:
+            enc = backend.encode(text, add_special_tokens=False)
+        finally:
+            backend.encode_special_tokens = previous
+        return enc.ids, enc.offsets
+
+    def _ordinary(self, text: str) -> list[int]:
+        """`text` with special-token strings encoded as the plain text they spell."""
+        return self._ids_and_offsets(text, split_special_tokens=True)[0] if text else []
+
+    @cached_property
+    def _post_processor_affixes(self) -> tuple[list[int], list[int]]:
+        """The ids `encode(..., add_special_tokens=True)` puts before and after a text (BOS,
+        EOS), found by encoding one letter both ways."""
+        bare = self.encode("a", add_special_tokens=False)
+        full = self.encode("a", add_special_tokens=True)
+        for at in range(len(full) - len(bare) + 1):
+            if full[at : at + len(bare)] == bare:
+                return full[:at], full[at + len(bare) :]
+        raise ValueError("the tokenizer's special tokens do not wrap the text it encodes")
 
     def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
         return self.hf.decode(list(ids), skip_special_tokens=skip_special_tokens)

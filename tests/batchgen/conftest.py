@@ -16,6 +16,7 @@ import yaml
 
 from batchgen.bench.tiny_llama import train_bpe_tokenizer, write_tiny_llama
 from engine.outputs import CompletionOutput, RequestOutput
+from engine.tokenizer import Tokenizer
 
 _CORPUS = [
     "Translate the following sentence into French.",
@@ -38,25 +39,13 @@ def tiny_model_dir(tmp_path_factory) -> Path:
     return write_tiny_llama(tmp_path_factory.mktemp("tiny-llama"), _CORPUS * 20)
 
 
-class HFTokenizerAdapter:
-    """The engine's tokenizer interface over a transformers tokenizer (fake engine only)."""
-
-    def __init__(self, hf):
-        self.hf = hf
-        self.has_chat_template = hf.chat_template is not None
-        self.eos_token_ids = [hf.eos_token_id]
+class HFTokenizerAdapter(Tokenizer):
+    """The engine's tokenizer over a transformers tokenizer that, like Llama's, puts BOS
+    before a plain prompt (fake engine only)."""
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         ids = self.hf.encode(text, add_special_tokens=False)
         return [self.hf.bos_token_id, *ids] if add_special_tokens else ids
-
-    def decode(self, ids: list[int], skip_special_tokens: bool = True) -> str:
-        return self.hf.decode(ids, skip_special_tokens=skip_special_tokens)
-
-    def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True):
-        return self.hf.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=add_generation_prompt
-        )
 
 
 class FakeLLM:
