@@ -1,7 +1,7 @@
-"""Everything checked and derived from a job before any work: the input opened and its ids
-checked, the columns the template needs, the carried columns and their output names, the
-model path. `run`, `validate` and `render` all start here; a JobError from here means exit
-2 with nothing written."""
+"""Everything checked and derived from a job before any work: the input opened, its column
+types, text and ids checked, the columns the template needs, the carried columns and their
+output names, the model path. `run`, `validate` and `render` all start here; a JobError
+from here means exit 2 with nothing written."""
 
 from __future__ import annotations
 
@@ -40,8 +40,37 @@ def check_model_path(path: str) -> None:
     )
 
 
+def open_tokenizer(job: JobSpec):
+    """The model's tokenizer and context length (capped by model.max_model_len), read
+    from the model's files without building it or reading its weights: what rendering
+    needs. (The engine is loaded only for a config that leaves the context length to its
+    model family's default.)"""
+    from engine.loader import open_model_source
+
+    try:
+        source = open_model_source(job.model.path)
+        tokenizer = source.tokenizer
+    except (OSError, ValueError, RuntimeError) as exc:
+        raise JobError(f"model.path: {exc}") from None
+    if tokenizer is None:
+        raise JobError(
+            f"model.path: {job.model.path} has no tokenizer, so text prompts cannot be "
+            "rendered; use a model directory with tokenizer files"
+        )
+    context = source.declared_context
+    if context is None:
+        from batchgen.run import load_llm
+
+        context = load_llm(job).max_model_len
+    if job.model.max_model_len is not None:
+        context = min(context, job.model.max_model_len)
+    return tokenizer, context
+
+
 def open_job(job: JobSpec, check_ids: bool = True) -> JobContext:
-    """Check the job against its input and model without running anything."""
+    """Check the job against its input and model without running anything. check_ids
+    False (`batchgen render`, which reads a few rows) skips the passes over the whole
+    input: ids and UTF-8 (a bad value among the rows read is still refused by name)."""
     source = ParquetInput(job.input)
     names = source.schema.names
     used = template_columns(job.prompt.template)
@@ -72,6 +101,9 @@ def open_job(job: JobSpec, check_ids: bool = True) -> JobContext:
     carry_map = {c: output_column_for(c) for c in carry_inputs}
     carry_fields = [pa.field(out, source.schema.field(col).type) for col, out in carry_map.items()]
     check_model_path(job.model.path)
+    source.check_types()
+    if check_ids:
+        source.check_text()
     total = source.check_ids() if check_ids else source.count_rows()
     return JobContext(
         job=job,

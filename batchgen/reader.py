@@ -1,5 +1,6 @@
 """Parquet input, read batch by batch (never a whole file), and the checks that must pass
-before a job runs: files exist, the columns are there, ids are present and unique."""
+before a job runs: files exist, the columns are there with one type in every file, their
+text is valid UTF-8, ids are present and unique."""
 
 from __future__ import annotations
 
@@ -54,6 +55,34 @@ def input_schema(files: list[Path]) -> pa.Schema:
                 f"input.path: {f} has columns {other.names}, but {files[0]} has {schema.names}"
             )
     return schema
+
+
+def _holds_text(kind: pa.DataType) -> bool:
+    """Whether values of this type hold strings (at any depth: lists, structs, maps)."""
+    if pa.types.is_string(kind) or pa.types.is_large_string(kind) or pa.types.is_string_view(kind):
+        return True
+    if pa.types.is_dictionary(kind):
+        return _holds_text(kind.value_type)
+    return any(_holds_text(kind.field(i).type) for i in range(kind.num_fields))
+
+
+def _first_invalid(column: pa.Array) -> int | None:
+    """The index of the first value whose text is not valid UTF-8, or None. Arrow's full
+    validation checks every string; a failure is narrowed down by halving."""
+    try:
+        column.validate(full=True)
+        return None
+    except pa.ArrowInvalid:
+        pass
+    lo, hi = 0, len(column)  # the first bad value is in [lo, hi)
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        try:
+            column.slice(lo, mid - lo).validate(full=True)
+            lo = mid
+        except pa.ArrowInvalid:
+            hi = mid
+    return lo
 
 
 def content_id(values: dict) -> str:
@@ -116,9 +145,54 @@ class ParquetInput:
         return [c for c in self.columns if c != self.id_source]
 
     def _batches(self, columns: list[str]) -> Iterator[pa.RecordBatch]:
+        for _, _, batch in self._located_batches(columns):
+            yield batch
+
+    def _located_batches(self, columns: list[str]) -> Iterator[tuple[Path, int, pa.RecordBatch]]:
+        """(file, index of the batch's first row in that file, batch)."""
         for f in self.files:
             pf = pq.ParquetFile(f)
-            yield from pf.iter_batches(batch_size=self.spec.batch_rows, columns=columns)
+            first = 0
+            for batch in pf.iter_batches(batch_size=self.spec.batch_rows, columns=columns):
+                yield f, first, batch
+                first += batch.num_rows
+
+    def check_types(self) -> None:
+        """Refuse files that give a column read by the job another type than the first
+        file does: results are written with one schema, and a column that is text in one
+        file and numbers in another cannot go into it."""
+        for f in self.files[1:]:
+            other = pq.read_schema(f)
+            for name in self.read_columns:
+                want, got = self.schema.field(name).type, other.field(name).type
+                if got != want:
+                    raise JobError(
+                        f"input.path: column '{name}' is {got} in {f} but {want} in "
+                        f"{self.files[0]}; every input file must give a column one type"
+                    )
+
+    def check_text(self) -> None:
+        """Refuse invalid UTF-8 in any text column the job reads, naming the file, column
+        and first bad row: one pass over those columns before any work, since a bad value
+        found mid-run would stop the run there, and again on every resume."""
+        text_columns = [c for c in self.read_columns if _holds_text(self.schema.field(c).type)]
+        if not text_columns:
+            return
+        for f, first, batch in self._located_batches(text_columns):
+            self._refuse_invalid_text(f, first, batch)
+
+    def _refuse_invalid_text(self, f: Path, first: int, batch: pa.RecordBatch) -> None:
+        for name in batch.schema.names:
+            bad = _first_invalid(batch.column(name))
+            if bad is None:
+                continue
+            where = f"row {first + bad} of {f}"
+            if self.id_source not in (CONTENT_HASH, name) and self.id_source in batch.schema.names:
+                where += f" (id {batch.column(self.id_source)[bad].as_py()!r})"
+            raise JobError(
+                f"input: column '{name}' holds invalid UTF-8 at {where}; every text "
+                "value must be valid UTF-8"
+            )
 
     def count_rows(self) -> int:
         return sum(pq.ParquetFile(f).metadata.num_rows for f in self.files)
@@ -127,9 +201,13 @@ class ParquetInput:
         """Every input row in file order, one record batch in memory at a time."""
         seq = 0
         value_cols = self.value_columns()
-        for batch in self._batches(self.read_columns):
-            ids = _row_ids(batch, self.id_source, self.columns)
-            values = batch.select(value_cols).to_pylist()
+        for f, first, batch in self._located_batches(self.read_columns):
+            try:
+                ids = _row_ids(batch, self.id_source, self.columns)
+                values = batch.select(value_cols).to_pylist()
+            except UnicodeDecodeError:  # check_text finds these first, when it ran
+                self._refuse_invalid_text(f, first, batch)
+                raise
             for row_id, vals in zip(ids, values):
                 yield InputRow(seq=seq, id=row_id, values=vals)
                 seq += 1

@@ -7,14 +7,19 @@ from __future__ import annotations
 import time
 from collections import Counter
 from dataclasses import dataclass, field
+from itertools import islice
 from pathlib import Path
 
 from batchgen.job_context import JobContext
+from batchgen.job_spec import JobError
 from batchgen.planner import cluster_mode
 from batchgen.render import PromptRenderer
 
 CALIBRATION_ROWS = 4
 CALIBRATION_MAX_TOKENS = 16
+# Rows rendered before the full count: a template that fails on all of them is refused
+# at once rather than after a pass over the whole input.
+SAMPLE_ROWS = 16
 
 
 @dataclass
@@ -77,6 +82,39 @@ def count_rows(ctx: JobContext, renderer: PromptRenderer) -> ValidationReport:
         report.max_prompt_tokens = max(report.max_prompt_tokens, prepared.num_prompt_tokens)
         report.truncated_rows += prepared.truncated
     return report
+
+
+def check_template_sample(ctx: JobContext, renderer: PromptRenderer) -> None:
+    """Refuse a template that fails (in the sandbox, or past its limits) on every one of
+    the first SAMPLE_ROWS rows, apart from rows it never sees (null or blank values)."""
+    failures: list[tuple[str, str]] = []
+    for row in islice(ctx.input.rows(), SAMPLE_ROWS):
+        error = renderer.prepare(row).error
+        if error is None or error.type not in ("render_error", "null_input", "empty_prompt"):
+            return  # the template rendered this row
+        if error.type == "render_error":
+            failures.append((row.id, error.message))
+    if failures:
+        row_id, message = failures[0]
+        raise JobError(
+            f"prompt.template: fails on every one of the first {len(failures)} rows it "
+            f"renders, e.g. row {row_id!r}: {message}"
+        )
+
+
+def refuse_unrunnable(report: ValidationReport) -> None:
+    """A job none of whose rows can run would only write error rows: refuse it."""
+    if report.runnable_rows:
+        return
+    if not report.rows:
+        raise JobError("input: the input has no rows; there is nothing to run")
+    kinds = ", ".join(
+        f"{kind}: {count:,} (e.g. {', '.join(report.error_samples[kind][:3])})"
+        for kind, count in report.errors.most_common()
+    )
+    raise JobError(
+        f"input: none of the {report.rows:,} rows can run; all would be error rows ({kinds})"
+    )
 
 
 def calibrate(ctx: JobContext, renderer: PromptRenderer, llm, report: ValidationReport) -> None:

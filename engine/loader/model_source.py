@@ -38,6 +38,14 @@ class ModelSource:
         """Loaded on first use (a GGUF vocabulary takes seconds to convert)."""
         return self.tokenizer_loader()
 
+    @property
+    def declared_context(self) -> int | None:
+        """The context length the config declares (config.json's max_position_embeddings,
+        a GGUF file's context_length), known without building the model; None when the
+        config leaves it to the model family's default."""
+        value = self.config.get("max_position_embeddings")
+        return int(value) if value is not None else None
+
 
 def open_model_source(
     model: str | Path,
