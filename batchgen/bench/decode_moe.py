@@ -668,7 +668,7 @@ def run(
     engine_options: dict | None = None,
     sampling: dict | None = None,
 ) -> dict:
-    from batchgen.bench.kernels import copy_bandwidth
+    from kernels.tune.timing import copy_bandwidth
 
     if not torch.cuda.is_available():
         raise click.UsageError("bench decode-moe needs a CUDA GPU")

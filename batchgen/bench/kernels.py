@@ -6,8 +6,8 @@ FP8 weight dequantized to bf16, then F.linear).
 Bytes counted per call: the weights the call touches (each distinct expert's codes and
 scales once), the activations read and the output written. Routings rotate among several
 random draws so the touched experts change between calls and the L2 (50 MB) does not
-serve them. `--tune` sweeps a few launch configs per case, keeps the fastest, and writes
-the tables kernels/triton/configs/*.json are made of.
+serve them. `--tune` runs the tuner (kernels/tune/) on each case, times its choice, and
+writes the tables kernels/triton/configs/*.json are made of (configs.write_entries).
 
 Runs on a CUDA GPU; also `python -m batchgen.bench.kernels` (imports torch, triton, click).
 """
@@ -15,8 +15,6 @@ Runs on a CUDA GPU; also `python -m batchgen.bench.kernels` (imports torch, trit
 from __future__ import annotations
 
 import functools
-import itertools
-import json
 import math
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,12 +24,11 @@ import torch
 import torch.nn.functional as F
 
 from batchgen.bench.common import write_result
+from kernels.tune.timing import copy_bandwidth, cycle, median_ms, time_chain, time_graphed
 
 ROUTINGS = 8
 # --tune sweeps only decode shapes (the bandwidth goals); larger ones keep the heuristic.
 TUNE_MAX_TOKENS = 8
-# Token counts up to which --tune offers the MXFP4 int8 kernels (one pair per program).
-INT8_MAX_TOKENS = 8
 
 
 @dataclass
@@ -59,8 +56,6 @@ MOE_CASES = [
     MoeCase("moonlight-shared-bf16", 2048, 2816, 1, 1, "bf16", (1, 8, 32, 64)),
     MoeCase("moonlight-shared-fp8", 2048, 2816, 1, 1, "fp8", (1, 8, 32, 64)),
 ]
-# Token counts above which --tune takes the prefill-shaped candidates.
-PREFILL_TOKENS = 256
 LINEAR_SHAPES = [(18432, 7168), (7168, 18432), (32768, 4096), (4096, 32768)]  # (N, K)
 LINEAR_TOKENS = (1, 8, 64, 512)
 # The engine's FP8 linears on Moonlight (hidden 2048): q_proj and kv_a (3648 = the two
@@ -75,46 +70,6 @@ ENGINE_LINEAR_TOKENS = (1, 2, 4, 8, 64)
 # the engine replays them): per-launch gaps are counted, host launch cost is not.
 LINEAR_CHAIN_BYTES = 160e6
 LINEAR_CHAIN_MAX = 128
-
-
-def median_ms(fn, warmup_ms: int = 25, rep_ms: int = 150) -> float:
-    import triton.testing
-
-    return triton.testing.do_bench(fn, warmup=warmup_ms, rep=rep_ms, return_mode="median")
-
-
-def graphed(calls: list) -> object:
-    """Capture each call in its own CUDA graph and return a callable that replays them in
-    turn: the engine runs decode as graph replays, so host launch cost is left out here."""
-    for call in calls:  # compile and warm up outside capture
-        call()
-    torch.cuda.synchronize()
-    graphs = []
-    for call in calls:
-        g = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(g):
-            call()
-        graphs.append(g)
-    it = itertools.cycle(graphs)
-    return lambda: next(it).replay()
-
-
-def time_graphed(calls: list) -> float:
-    """Median ms per call replayed from CUDA graphs; eager if capture fails (reported)."""
-    try:
-        return median_ms(graphed(calls))
-    except RuntimeError as err:
-        print(f"  graph capture failed ({err}); timing eagerly")
-        return median_ms(_cycle(calls))
-
-
-def copy_bandwidth(device: torch.device, gib: float = 2.0) -> float:
-    """Device-to-device copy in bytes/s, counting bytes read plus bytes written."""
-    n = int(gib * 2**30)
-    src = torch.randint(0, 255, (n,), dtype=torch.uint8, device=device)
-    dst = torch.empty_like(src)
-    ms = median_ms(lambda: dst.copy_(src))
-    return 2 * n / (ms * 1e-3)
 
 
 def _expert_bytes(case: MoeCase, w13, w2, s13, s2) -> int:
@@ -157,11 +112,6 @@ def _moe_calls(fn, x, weights, routings, **kw) -> list:
     ]
 
 
-def _cycle(calls: list):
-    it = itertools.cycle(calls)
-    return lambda: next(it)()
-
-
 def bench_moe(
     case: MoeCase,
     copy_bps: float,
@@ -172,7 +122,8 @@ def bench_moe(
     int8: bool = False,
 ) -> tuple[list[dict], dict]:
     from kernels.reference.fused_moe import fused_moe_reference
-    from kernels.triton.fused_moe import choose_config, default_config, fused_moe, shape_key
+    from kernels.triton.fused_moe import choose_config, fused_moe, shape_key
+    from kernels.tune import fused_moe as tune_fused_moe
 
     weights = make_moe_weights(case, device)
     per_expert = _expert_bytes(case, *weights)
@@ -185,34 +136,17 @@ def bench_moe(
         # Tuning searches around the heuristic's config; untuned, the bench times the one
         # the engine would launch (the table's entry, else the heuristic).
         if tune and t <= tune_max_tokens:
-            cfg = default_config(t * case.top_k, case.e, case.fmt)
-            if t > PREFILL_TOKENS:
-                cands = _prefill_candidates(cfg)
-                if case.fmt == "mxfp4":  # or decode the experts to bf16 once (mxfp4_dequant)
-                    bf16 = default_config(t * case.top_k, case.e, "bf16")
-                    cands += [dict(c, KERNEL="dequant") for c in _prefill_candidates(bf16)]
-            elif case.fmt == "mxfp4":
-                cands = _mxfp4_candidates(cfg, t, int8)
-            else:
-                cands = _moe_candidates(cfg, case.fmt)
-
-            def make(c, x=x, r=routings):
-                return graphed(_moe_calls(fused_moe, x, weights, r, fmt=case.fmt, config=c))
-
-            cfg = _tune(make, cands)
-            cfg = _tune(make, [cfg] + _down_candidates(cfg))  # then the down's own tile
-            if t > PREFILL_TOKENS:  # then the launch order's groups (_tile_ids)
-                cfg = _tune(make, [cfg] + [dict(cfg, GROUP_M=g) for g in (1, 2, 4, 8, 16)])
+            cfg = tune_fused_moe.tune(x, weights, routings, case.fmt, int8)
             tuned[shape_key(t, case.top_k, case.e, case.d, case.i, case.fmt)] = cfg
         else:
             cfg = choose_config(t, case.top_k, case.e, case.d, case.i, case.fmt, device)
         calls = _moe_calls(fused_moe, x, weights, routings, fmt=case.fmt, config=cfg)
         ms = time_graphed(calls)
-        eager_ms = median_ms(_cycle(calls))
+        eager_ms = median_ms(cycle(calls))
         # The loop over experts reads routing counts back to the host: eager only.
         ref = _moe_calls(fused_moe_reference, x, weights, routings, fmt=case.fmt,
                          compute_dtype=torch.bfloat16)  # fmt: skip
-        ref_ms = median_ms(_cycle(ref))
+        ref_ms = median_ms(cycle(ref))
         rows.append(_row("fused_moe", f"{case.name} T={t}", nbytes, ms, ref_ms, copy_bps, cfg))
         rows[-1]["eager_ms"] = eager_ms
         # gate+up and down: 3 D x I multiply-adds per (token, expert) pair
@@ -232,7 +166,9 @@ def bench_linear(
     tune_max_tokens: int = TUNE_MAX_TOKENS,
 ) -> tuple[list[dict], dict]:
     from kernels.reference.quant_formats import dequant_fp8_block, random_fp8_block
-    from kernels.triton.fp8_linear import choose_config, default_config, shape_key
+    from kernels.triton.fp8_linear import choose_config, shape_key
+    from kernels.tune import fp8_linear as tune_fp8_linear
+    from kernels.tune.fp8_linear import chain_ms
 
     q, s = random_fp8_block((n, k), device=device)
     per_copy = n * k + s.numel() * 4
@@ -246,13 +182,11 @@ def bench_linear(
             # Untuned: what the engine gets today (the committed table, else the heuristic).
             cfg = choose_config(m, n, k, device, native)
             if tune and m <= tune_max_tokens:
-                base = default_config(m, n, k, device, native)
-                time_cfg = functools.partial(_time_linear_chain, x, weights, native, warm=False)
-                cfg = _tune_linear(time_cfg, base, m, n, k, native)
+                cfg = tune_fp8_linear.tune(x, weights, native)
                 tuned[shape_key(m, n, k, native)] = cfg
-            ms = _time_linear_chain(x, weights, native, cfg)
+            ms = chain_ms(x, weights, native, cfg)
             # The same dequantize + F.linear a plain torch layer does, graph-captured too.
-            ref_ms = _time_chain(
+            ref_ms = time_chain(
                 [lambda x=x, w=w, ws=ws: F.linear(x, dequant_fp8_block(w, ws).to(torch.bfloat16))
                  for w, ws in weights[:8]]
             )  # fmt: skip
@@ -271,6 +205,7 @@ def time_linear_paths(device) -> list[dict]:
     path rests on). us per call in the same over-L2 graph chains as the other rows."""
     from kernels.reference.quant_formats import random_fp8_block
     from kernels.triton.fp8_linear import default_config, default_gemv_config
+    from kernels.tune.fp8_linear import chain_ms
 
     rows = []
     for n, k in ENGINE_LINEAR_SHAPES + LINEAR_SHAPES[:1]:
@@ -281,11 +216,9 @@ def time_linear_paths(device) -> list[dict]:
             x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
             dot = default_config(16, n, k, device)  # the dot kernel's small-M config
             row = {"n": n, "k": k, "m": m}
-            row["gemv_us"] = 1e3 * _time_linear_chain(
-                x, weights, False, default_gemv_config(m, n, k, device)
-            )
-            row["dot_us"] = 1e3 * _time_linear_chain(x, weights, False, dot)
-            row["native_us"] = 1e3 * _time_linear_chain(
+            row["gemv_us"] = 1e3 * chain_ms(x, weights, False, default_gemv_config(m, n, k, device))
+            row["dot_us"] = 1e3 * chain_ms(x, weights, False, dot)
+            row["native_us"] = 1e3 * chain_ms(
                 x, weights, True, default_config(m, n, k, device, True)
             )
             rows.append(row)
@@ -296,200 +229,11 @@ def time_linear_paths(device) -> list[dict]:
     return rows
 
 
-def _time_linear_chain(x, weights, native, cfg, warm=True) -> float:
-    """ms per fp8_block_linear call, each on its own weight copy, chained in one graph."""
-    from kernels.triton.fp8_linear import fp8_block_linear
-
-    calls = [functools.partial(fp8_block_linear, x, w, ws, native, config=cfg) for w, ws in weights]
-    return _time_chain(calls, warmup_ms=25 if warm else 5, rep_ms=150 if warm else 30)
-
-
-def _time_chain(calls: list, warmup_ms: int = 25, rep_ms: int = 150) -> float:
-    """Median ms per call of `calls` captured back to back in one CUDA graph."""
-    for call in calls:  # compile and allocate outside capture
-        call()
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for call in calls:
-            call()
-    return median_ms(g.replay, warmup_ms=warmup_ms, rep_ms=rep_ms) / len(calls)
-
-
-def _tune_linear(time_cfg, base: dict, m: int, n: int, k: int, native: bool) -> dict:
-    """The fastest config for one (M, N, K): the heuristic, a few dot configs, and for the
-    GEMV first the tile (rows x K bytes per step, warps), then split-K and the decode on the
-    best tile. time_cfg(cfg) -> ms; a config that fails to compile or launch is skipped."""
-    timed: dict[str, float] = {}
-
-    def ms(cfg: dict) -> float:
-        key = json.dumps(cfg, sort_keys=True)
-        if key not in timed:
-            try:
-                timed[key] = time_cfg(cfg)
-            except Exception as err:  # a config can exceed registers or shared memory
-                print(f"  skip {cfg}: {type(err).__name__}")
-                timed[key] = float("inf")
-        return timed[key]
-
-    from kernels.triton.fp8_linear import GEMV_MAX_M
-
-    cands = [base] + _linear_candidates(m, base)
-    if not native and m <= GEMV_MAX_M:
-        # The last four take a row block's whole K (up to 2048) in one or two steps: every
-        # load of a program in flight at once and no split-K partials, where the others
-        # keep two steps in flight (Nsight Compute, session 10: the 3648 x 2048 GEMV at one
-        # token read DRAM at 19% of its peak, its 912 programs mostly waiting).
-        tiles = [dict(_gemv_base(m, n, k), BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
-                 for bn, bk, w in ((16, 256, 4), (16, 512, 4), (32, 128, 4), (32, 256, 4),
-                                   (64, 128, 4), (32, 512, 8), (8, 1024, 4), (8, 2048, 4),
-                                   (16, 1024, 4), (16, 1024, 8))]  # fmt: skip
-        best_tile = min(tiles, key=ms)
-        k_steps = math.ceil(k / best_tile["BLOCK_K"])
-        splits = [sp for sp in (1, 2, 4, 6, 8, 16) if sp <= k_steps]
-        cands += tiles + [dict(best_tile, SPLIT_K=sp, BIT_DECODE=bit)
-                          for sp, bit in itertools.product(splits, (False, True))]  # fmt: skip
-    best = min(cands, key=ms)
-    by_kernel: dict[str, tuple[float, dict]] = {}
-    for cfg in cands:
-        kind = cfg.get("KERNEL", "dot") + (" swap" if cfg.get("SWAP_AB") else "")
-        by_kernel[kind] = min(
-            by_kernel.get(kind, (math.inf, cfg)), (ms(cfg), cfg), key=lambda p: p[0]
-        )
-    for kind, (t, cfg) in sorted(by_kernel.items(), key=lambda p: p[1][0]):
-        print(f"  M={m} {n}x{k}{' native' if native else ''} best {kind}: {t * 1e3:.1f} us {cfg}")
-    return best
-
-
-def _gemv_base(m: int, n: int, k: int) -> dict:
-    from kernels.triton.fp8_linear import default_gemv_config
-
-    return default_gemv_config(m, n, k, torch.device("cuda"))
-
-
 def _row(op, case, nbytes, ms, ref_ms, copy_bps, cfg) -> dict:
     gbs = nbytes / (ms * 1e-3) / 1e9
     return dict(op=op, case=case, bytes=int(nbytes), ms=ms, gb_s=gbs,
                 copy_frac=gbs * 1e9 / copy_bps, floor_ms=nbytes / copy_bps * 1e3,
                 torch_ms=ref_ms, speedup_vs_torch=ref_ms / ms, config=cfg)  # fmt: skip
-
-
-def _moe_candidates(base: dict, fmt: str) -> list[dict]:
-    out = [base]
-    for bn, stages, warps in itertools.product((32, 64, 128), (3, 5), (4,)):
-        out.append(dict(base, BLOCK_N=bn, num_stages=stages, num_warps=warps))
-    return out + _split_candidates(base) + _swap_candidates(base, fmt)
-
-
-def _down_candidates(best: dict) -> list[dict]:
-    """Second stage: the winner with a tile of the down launch's own (fused_moe's DOWN):
-    other row tiles and K splits for the MMA kernels, row tiles and warps for the int8
-    ones. One config for both launches has to suit gate+up, which has ~twice the rows."""
-    from kernels.triton.fused_moe import down_config
-
-    if best.get("KERNEL") == "int8":
-        grid = [dict(BLOCK_N=bn, num_warps=w) for bn, w in itertools.product((32, 64, 128), (4, 8))]
-    else:
-        row_tiles = (64, 128) if down_config(best).get("SWAP_AB") else (32, 64, 128)
-        grid = [dict(BLOCK_N=bn, SPLIT_K=sp) for bn, sp in itertools.product(row_tiles, (1, 2, 4))]
-    same = down_config(best)
-    return [dict(best, DOWN=d) for d in grid if any(same.get(k, 1) != v for k, v in d.items())]
-
-
-def _split_candidates(base: dict) -> list[dict]:
-    """The down GEMM split along K (its partials meet in the atomic combine)."""
-    return [dict(base, SPLIT_K=split) for split in (2, 4)]
-
-
-def _swap_candidates(base: dict, fmt: str) -> list[dict]:
-    """Weights as the MMA's row side (SWAP_AB): wgmma needs 64 weight rows per warpgroup,
-    so N tiles of 64 or 128; the K step sets the bytes each step stages (FP8's must divide
-    its 128-wide scale blocks)."""
-    ks = {"bf16": (64, 128), "fp8": (64, 128), "mxfp4": (128, 256)}[fmt]
-    out = [dict(base, SWAP_AB=True, BLOCK_N=bn, BLOCK_K=bk, num_stages=st)
-           for bn, bk, st in itertools.product((64, 128), ks, (3, 4))]  # fmt: skip
-    best_guess = dict(base, SWAP_AB=True, BLOCK_N=64, BLOCK_K=ks[0], num_stages=3)
-    out += [dict(best_guess, SPLIT_K=split) for split in (2, 4)]
-    # gate+up split along D too (few tokens: more programs streaming weights)
-    out += [dict(best_guess, GU_SPLIT_K=gu, SPLIT_K=split)
-            for gu, split in itertools.product((2, 4), (2, 4))]  # fmt: skip
-    out.append(dict(best_guess, BLOCK_N=128, num_warps=8))
-    # Taller token tiles: an expert with more tokens than BLOCK_M decodes its weights once
-    # per token tile, so large batches may prefer fewer, wider tiles.
-    for bm in (32, 64):
-        if bm > base["BLOCK_M"]:
-            out += [dict(best_guess, BLOCK_M=bm), dict(best_guess, BLOCK_M=bm, num_stages=4)]
-    return out
-
-
-def _mxfp4_candidates(base: dict, tokens: int, int8: bool) -> list[dict]:
-    """MXFP4: the heuristic's A @ W^T tile (decoded tiles through shared memory), the
-    SWAP_AB tiles (decoded tiles straight into wgmma), and with `int8` up to 8 tokens the
-    int8 path (table decode + dp4a, one pair per program). That one rounds the activations
-    to int8 per 32 (~1% relative on random weights, against ~0.4% for bf16 activations), so
-    the tuner offers it only when asked."""
-    a_wt = dict(base, SWAP_AB=False, BLOCK_N=64, BLOCK_K=128)  # the A @ W^T tile
-    out = [base, a_wt, dict(a_wt, BLOCK_N=128)]
-    if int8 and tokens <= INT8_MAX_TOKENS:
-        out += [dict(KERNEL="int8", BLOCK_M=1, BLOCK_N=bn, BLOCK_K=bk, num_warps=w)
-                for bn, bk, w in itertools.product((32, 64, 128), (128, 256, 512), (4, 8))]  # fmt: skip
-    return out + _swap_candidates(base, "mxfp4")
-
-
-def _prefill_candidates(base: dict) -> list[dict]:
-    """Prefill-sized launches (hundreds of tokens per expert): every token tile reads (and
-    for FP8/MXFP4 decodes) the expert's weights again, so taller token tiles do it fewer
-    times; the A @ W^T tile stages decoded weights through shared memory once per tile.
-    Each tile comes in the plain launch order and in groups of 8 token tiles (_tile_ids)."""
-    a_wt = dict(base, SWAP_AB=False)
-    out = [base]
-    out += [dict(a_wt, BLOCK_M=bm, BLOCK_N=bn, num_warps=w, num_stages=st)
-            for bm, bn, w, st in ((64, 128, 4, 3), (128, 64, 4, 3), (128, 128, 8, 3),
-                                  (128, 128, 8, 4), (128, 256, 8, 3))]  # fmt: skip
-    if base.get("SWAP_AB"):
-        out += [dict(base, BLOCK_M=bm, BLOCK_N=bn, num_warps=w)
-                for bm, bn, w in ((128, 64, 4), (128, 64, 8), (128, 128, 8), (64, 128, 8))]  # fmt: skip
-    # GROUP_M set either way: the heuristic's base may carry its own
-    return [dict(c, GROUP_M=g) for g in (1, 8) for c in out]
-
-
-def _linear_candidates(m: int, base: dict) -> list[dict]:
-    """tl.dot configs (the GEMV ones are swept in _tune_linear)."""
-    from kernels.triton.fp8_linear import default_config
-
-    dot = base if base.get("KERNEL") == "dot" else default_config(32, 1, 1, torch.device("cuda"))
-    out = [dot]
-    if m <= 32:
-        for bn, split, stages in itertools.product((32, 64, 128), (1, 2, 4, 8), (4,)):
-            out.append(dict(dot, BLOCK_N=bn, SPLIT_K=split, num_stages=stages))
-    else:
-        for bm, bn, warps in itertools.product((64, 128), (128, 256), (4, 8)):
-            out.append(dict(dot, BLOCK_M=bm, BLOCK_N=bn, num_warps=warps, SPLIT_K=1))
-    # SWAP_AB: decoded weights as wgmma's register operand (64 rows per warpgroup), the
-    # tokens as its N side
-    swap = dict(dot, SWAP_AB=True, BLOCK_K=128, num_warps=4, num_stages=3)
-    if m <= 32:
-        bm = 16 if m <= 16 else 32
-        out += [dict(swap, BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=split, num_stages=stages)
-                for bn, split, stages in itertools.product((64, 128), (1, 2, 4), (3, 5))]  # fmt: skip
-    else:
-        out += [dict(swap, BLOCK_M=bm, BLOCK_N=bn, SPLIT_K=1, num_stages=stages)
-                for bm, bn, stages in itertools.product((64, 128), (64, 128), (3, 4))]  # fmt: skip
-    return out
-
-
-def _tune(make, candidates: list[dict]) -> dict:
-    """make(cfg) -> a callable to time; the fastest config wins."""
-    best, best_ms = candidates[0], float("inf")
-    for cfg in candidates:
-        try:
-            ms = median_ms(make(cfg), warmup_ms=5, rep_ms=30)
-        except Exception as err:  # a config can exceed shared memory or registers
-            print(f"  skip {cfg}: {type(err).__name__}")
-            continue
-        if ms < best_ms:
-            best, best_ms = cfg, ms
-    return best
 
 
 def print_table(copy_bps: float, rows: list[dict]) -> None:
@@ -560,16 +304,11 @@ def run(
         tables["fp8_linear"].update(t)
     print_table(copy_bps, rows)
     if tune and tuned_dir is not None:
-        from kernels.triton.configs import CONFIG_DIR, device_key
+        from kernels.triton.configs import device_key, write_entries
 
-        tuned_dir.mkdir(parents=True, exist_ok=True)
         for op, table in tables.items():
-            if not table:
-                continue
-            committed = CONFIG_DIR / f"{op}.json"
-            merged = json.loads(committed.read_text()) if committed.exists() else {}
-            merged.setdefault(device_key(device), {}).update(table)
-            (tuned_dir / f"{op}.json").write_text(json.dumps(merged, indent=1) + "\n")
+            if table:
+                write_entries(op, device_key(device), table, tuned_dir)
     return {"copy_tb_s": copy_bps / 1e12, "tuned": tune, "results": rows}
 
 

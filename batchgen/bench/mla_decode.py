@@ -21,7 +21,7 @@ import click
 import torch
 
 from batchgen.bench.common import write_result
-from batchgen.bench.kernels import _time_chain, copy_bandwidth
+from kernels.tune.timing import copy_bandwidth, time_chain
 
 # Moonlight / DeepSeek-V3 MLA: kv_lora 512, rope 64; heads 16 (Moonlight) and 128 (V3).
 KVL, ROPE, BLOCK_SIZE = 512, 64, 16
@@ -105,7 +105,7 @@ def bench_case(name: str, batch: int, context: int, heads: int, copy_bps: float,
                                    s["block_t"], s["num_warps"], s["num_stages"],
                                    s["prefetch"], s.get("value_blocks", 1))
                  for c, t in zip(caches, tables)]  # fmt: skip
-        return _time_chain(calls, warmup_ms=5, rep_ms=40)
+        return time_chain(calls, warmup_ms=5, rep_ms=40)
 
     def row(s: dict, ms: float, engine: bool = False) -> dict:
         gbs = nbytes / (ms * 1e-3) / 1e9

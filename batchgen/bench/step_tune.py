@@ -1,14 +1,6 @@
 """`batchgen bench step-tune`: choose the decode step's fused-MoE table entries by timing the
-whole step's CUDA graph, not each kernel alone.
-
-Why: at a few tokens the shared expert's launches run on a side stream beside the routed
-experts', and a tile tuned alone (`bench kernels --tune`) can be the worst one beside them.
-H200, Moonlight shape, FP8 + MXFP4, batch 1: the shared expert's FP8 down took 21-25 us in
-the step against 7.5 us alone with its tuned tile and ended 8 us after the routed chain in
-every layer; a tile of 32 rows with K in 4 splits took the step from 444 to 485 tok/s
-(`decode-h200-moonlight-v10-shared-down-*.json`). So this sweep patches one table entry at
-a time (coordinate descent over a few stages of candidates), captures the bucket's graph
-again and times its replay on real decode inputs.
+whole step's CUDA graph, not each kernel alone (kernels/tune/step.py says why and holds the
+candidates and the descent; this module builds the engine and times its step).
 
 Entries per bucket: the routed experts' (`T{b}_A{k}_E{e}_...`) and the shared expert's
 (`T{b}_A1_E1_...`), at the model's shapes. Writes data/benchmarks/<name>.json (every
@@ -21,52 +13,28 @@ Run on the GPU machine as `python -m batchgen.bench.step_tune`.
 from __future__ import annotations
 
 import gc
-import json
 import shutil
 import time
-from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import click
 import torch
 
 from batchgen.bench.common import write_result
 from batchgen.bench.decode_moe import WEIGHTS, log, make_checkpoint, random_prompts
+from kernels.triton import configs
+
+if TYPE_CHECKING:
+    from kernels.tune.step import MoeEntry
 
 OP = "fused_moe"
-
-
-@dataclass(frozen=True)
-class MoeEntry:
-    """One fused_moe table entry a decode step reads: the routed experts' or the shared
-    expert's (one expert taken by every token)."""
-
-    role: str  # "routed" | "shared"
-    top_k: int
-    experts: int
-    d: int
-    i: int
-    fmt: str
-
-    def key(self, bucket: int) -> str:
-        from kernels.triton.fused_moe import shape_key
-
-        return shape_key(bucket, self.top_k, self.experts, self.d, self.i, self.fmt)
-
-    def base(self, bucket: int, device: torch.device) -> dict:
-        """The config the engine runs now: the table's entry, else the heuristic."""
-        from kernels.triton import fused_moe
-
-        if self.role == "shared":
-            return fused_moe.dense_config(bucket, self.d, self.i, self.fmt, device)
-        return fused_moe.choose_config(
-            bucket, self.top_k, self.experts, self.d, self.i, self.fmt, device
-        )
 
 
 def moe_entries(model) -> list[MoeEntry]:
     """The routed and shared entries of the model's MoE layers (all layers share shapes)."""
     from engine.layers.moe import DeepseekMoE
+    from kernels.tune.step import MoeEntry
 
     for module in model.modules():
         if not isinstance(module, DeepseekMoE):
@@ -87,72 +55,22 @@ def moe_entries(model) -> list[MoeEntry]:
     return []
 
 
-def _shared_down_tiles(best: dict) -> list[dict]:
-    # the launch that ran long beside the routed kernels
-    return [
-        dict(best, DOWN={"BLOCK_N": bn, "SPLIT_K": sk}) for bn in (32, 64) for sk in (1, 2, 4, 8)
-    ]
-
-
-def _shared_gate_up_tiles(best: dict) -> list[dict]:
-    # K splits (arrival counters; the SWAP_AB tile only) and rows per program
-    splits = [dict(best, GU_SPLIT_K=g) for g in (1, 2, 4, 8)] if best.get("SWAP_AB") else []
-    return splits + [dict(best, BLOCK_N=bn) for bn in (32, 64, 128)]
-
-
-def _int8_prefetch(best: dict) -> list[dict]:
-    # Next step's loads before this step's math, or each tile just before its own: the
-    # first wins alone, the second won beside the shared expert at batch 1 (H200, 2026-11-29)
-    return [dict(best, PREFETCH=not best.get("PREFETCH", True))]
-
-
-def _int8_tiles(best: dict) -> list[dict]:
-    return [dict(best, BLOCK_N=bn, num_warps=w) for bn in (32, 64) for w in (4, 8)]
-
-
-def _int8_down_tiles(best: dict) -> list[dict]:
-    return [dict(best, DOWN={"BLOCK_N": bn, "num_warps": w}) for bn in (32, 64) for w in (4, 8)]
-
-
-def _mma_tiles(best: dict) -> list[dict]:
-    return [dict(best, BLOCK_N=bn) for bn in (32, 64, 128)]
-
-
-def _mma_down_splits(best: dict) -> list[dict]:
-    return [dict(best, DOWN={"SPLIT_K": s}) for s in (1, 2, 4)]
-
-
-def candidate_stages(entry: MoeEntry, base: dict, bucket: int) -> list:
-    """Stages of candidates, each a function of the best config so far -> configs to time.
-    Kept small: each costs a graph capture (and a compile where the tile is new)."""
-    if entry.role == "shared":
-        return [_shared_down_tiles, _shared_gate_up_tiles]
-    if base.get("KERNEL") == "int8":
-        return [_int8_prefetch, _int8_tiles, _int8_down_tiles]
-    return [_mma_tiles, _mma_down_splits]
-
-
 class StepTimer:
-    """Times one bucket's decode graph on real decode rows after patching the in-memory
-    fused_moe table (kernels.triton.configs caches it; patches are undone by `restore`)."""
+    """Times one bucket's decode graph on real decode rows, captured again with the launch
+    configs as they are stored now (configs.store)."""
 
     def __init__(self, llm, seqs: list, reps: int = 20) -> None:
-        from kernels.triton import configs
-
         self.runner = llm.engine.runner
         self.seqs, self.reps = seqs, reps
-        self.table = configs._table(OP).setdefault(configs.device_key(self.runner.device), {})
-        self.original = json.loads(json.dumps(self.table))
 
-    def ms(self, bucket: int, key: str, cfg: dict) -> float:
-        """ms per replay of `bucket`'s graph captured with table[key] = cfg; inf when the
-        config does not compile, launch or validate."""
-        self.table[key] = cfg
+    def ms(self, bucket: int) -> float:
+        """ms per replay of `bucket`'s graph; inf when a config does not compile, launch or
+        validate."""
         graphs = self.runner.graphs
         try:
             graphs.recapture([bucket])
         except Exception as err:  # a tile can exceed registers or shared memory
-            log(f"  skip {cfg}: {type(err).__name__}: {str(err)[:120]}")
+            log(f"  skip: {type(err).__name__}: {str(err)[:120]}")
             return float("inf")
         graphs.inputs.fill(self.seqs[:bucket], bucket)
         graph = graphs.graphs[bucket]
@@ -166,40 +84,15 @@ class StepTimer:
         torch.cuda.synchronize()
         return start.elapsed_time(end) / self.reps
 
-    def restore(self) -> None:
-        self.table.clear()
-        self.table.update(self.original)
-
 
 def tune_bucket(timer: StepTimer, entries: list[MoeEntry], bucket: int) -> tuple[dict, list]:
-    """Coordinate descent over each entry's stages; returns ({key: best}, timed rows). The
-    shared expert's entry only where the fused MoE runs it (SHARED_FUSED_MAX_TOKENS)."""
+    """kernels.tune.step's descent at one bucket; the shared expert's entry only where the
+    fused MoE runs it (SHARED_FUSED_MAX_TOKENS)."""
     from engine.backends.cuda import SHARED_FUSED_MAX_TOKENS
+    from kernels.tune.step import tune_entries
 
-    device = timer.runner.device
-    tuned, rows = {}, []
-    for entry in entries:
-        if entry.role == "shared" and bucket > SHARED_FUSED_MAX_TOKENS:
-            continue
-        key = entry.key(bucket)
-        best = entry.base(bucket, device)
-        best_ms = timer.ms(bucket, key, best)
-        rows.append(dict(bucket=bucket, role=entry.role, key=key, config=best, ms=best_ms,
-                         base=True))  # fmt: skip
-        log(f"batch {bucket} {entry.role} base {best_ms:.3f} ms {best}")
-        for stage in candidate_stages(entry, best, bucket):
-            for cfg in stage(best):
-                if cfg == best:
-                    continue
-                ms = timer.ms(bucket, key, cfg)
-                rows.append(dict(bucket=bucket, role=entry.role, key=key, config=cfg, ms=ms))
-                log(f"batch {bucket} {entry.role} {ms:.3f} ms {cfg}")
-                if ms < best_ms:
-                    best, best_ms = cfg, ms
-        timer.table[key] = best  # later entries are timed beside this one's best
-        tuned[key] = best
-        log(f"batch {bucket} {entry.role} best {best_ms:.3f} ms {best}")
-    return tuned, rows
+    entries = [e for e in entries if e.role != "shared" or bucket <= SHARED_FUSED_MAX_TOKENS]
+    return tune_entries(entries, bucket, timer.runner.device, lambda: timer.ms(bucket), log)
 
 
 def decode_rows(llm, batch: int, prompt_len: int, vocab: int) -> list:
@@ -248,25 +141,11 @@ def tune_weights(path: Path, weights: str, batches: tuple[int, ...], prompt_len:
             tuned.update(t)
             rows += [dict(row, weights=weights) for row in r]
     finally:
-        timer.restore()
+        configs.clear_stored(OP)
         del timer, seqs, model, llm
         gc.collect()
         torch.cuda.empty_cache()
     return {"tuned": tuned, "rows": rows}
-
-
-def write_table(tuned: dict, tuned_dir: Path, device_name: str) -> Path:
-    """The committed fused_moe table with these entries merged in under `device_name`
-    (configs.device_key), written to tuned_dir."""
-    from kernels.triton.configs import CONFIG_DIR
-
-    committed = CONFIG_DIR / f"{OP}.json"
-    merged = json.loads(committed.read_text()) if committed.exists() else {}
-    merged.setdefault(device_name, {}).update(tuned)
-    tuned_dir.mkdir(parents=True, exist_ok=True)
-    out = tuned_dir / f"{OP}.json"
-    out.write_text(json.dumps(merged, indent=1) + "\n")
-    return out
 
 
 @click.command("step-tune")
@@ -302,9 +181,8 @@ def command(preset, layers, weights, batches, prompt_len, workdir, tuned_dir, na
         log(f"{w}: tuned in {time.perf_counter() - t0:.0f} s")
         write_result(name, payload)  # after each weight format: a cut-off run keeps its rows
     if tuned_dir is not None:
-        from kernels.triton.configs import device_key
-
-        log(f"wrote {write_table(payload['tuned'], tuned_dir, device_key(torch.device('cuda')))}")
+        device = configs.device_key(torch.device("cuda"))
+        log(f"wrote {configs.write_entries(OP, device, payload['tuned'], tuned_dir)}")
     log(f"wrote {write_result(name, payload)}")
 
 

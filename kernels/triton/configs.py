@@ -1,9 +1,11 @@
 """Kernel launch configs per (device, op, shape), chosen once and cached.
 
 A run never tunes: each wrapper asks `lookup(op, key)` for a measured config from the JSON
-tables in kernels/triton/configs/<op>.json (written by `batchgen bench kernels --tune` on a
-GPU and committed), keyed by device name, then by a shape key such as "M16_N18432_K7168".
-Missing entries fall back to the wrapper's heuristic. Tables are read once per process.
+tables in kernels/triton/configs/<op>.json (written by the tuner, kernels/tune/, on a GPU
+through `write_entries`, and committed), keyed by device name, then by a shape key such as
+"M16_N18432_K7168". Missing entries fall back to the wrapper's heuristic. Tables are read
+once per process; `store` puts a config in front of the table for this process only (the
+in-step tuner tries its candidates that way).
 """
 
 from __future__ import annotations
@@ -15,6 +17,9 @@ from pathlib import Path
 import torch
 
 CONFIG_DIR = Path(__file__).parent / "configs"
+
+# op -> device key -> shape key -> config, set by `store`; consulted before the tables
+_stored: dict[str, dict[str, dict[str, dict]]] = {}
 
 
 def device_key(device: torch.device | None = None) -> str:
@@ -34,9 +39,7 @@ def m_bucket(m: int) -> int:
     return b
 
 
-@functools.cache
-def _table(op: str) -> dict:
-    path = CONFIG_DIR / f"{op}.json"
+def _read(path: Path) -> dict:
     if not path.exists():
         return {}
     data = json.loads(path.read_text())
@@ -45,7 +48,43 @@ def _table(op: str) -> dict:
     return data
 
 
+@functools.cache
+def _table(op: str) -> dict:
+    return _read(CONFIG_DIR / f"{op}.json")
+
+
 def lookup(op: str, key: str, device: torch.device | None = None) -> dict | None:
-    """The tuned config for `op` at shape `key` on this device, or None."""
-    entry = _table(op).get(device_key(device), {}).get(key)
+    """The config for `op` at shape `key` on this device (stored, else tuned), or None."""
+    dev = device_key(device)
+    entry = _stored.get(op, {}).get(dev, {}).get(key)
+    if entry is None:
+        entry = _table(op).get(dev, {}).get(key)
     return dict(entry) if entry is not None else None
+
+
+def store(op: str, key: str, config: dict, device: torch.device | None = None) -> None:
+    """From now on this process's lookups of (op, key) on `device` return `config`; the
+    table files are untouched. Kernels read configs when they launch, so a CUDA graph
+    captured before keeps the config it was captured with."""
+    _stored.setdefault(op, {}).setdefault(device_key(device), {})[key] = dict(config)
+
+
+def clear_stored(op: str | None = None) -> None:
+    """Forget what `store` set for `op` (every op when None): lookups see the tables again."""
+    if op is None:
+        _stored.clear()
+    else:
+        _stored.pop(op, None)
+
+
+def write_entries(op: str, device: str, entries: dict[str, dict], out_dir: Path) -> Path:
+    """Write out_dir/<op>.json: the committed table of `op` with `entries` (shape key ->
+    config) merged in under `device` (a device_key). Copy it into CONFIG_DIR to keep it;
+    the committed table itself is only read."""
+    merged = _read(CONFIG_DIR / f"{op}.json")
+    merged.setdefault(device, {}).update(entries)
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    path = out_dir / f"{op}.json"
+    path.write_text(json.dumps(merged, indent=1) + "\n")
+    return path

@@ -1,17 +1,19 @@
-import json
+"""The in-step tuner's candidates are configs the kernels take, its keys are the fused_moe
+table's, and its descent keeps the fastest config of each entry (timed here by a cost of
+the stored config instead of a GPU step)."""
 
 import pytest
 import torch
 
-from batchgen.bench.step_tune import MoeEntry, candidate_stages, write_table
-from kernels.triton import fused_moe
+from kernels.triton import configs, fused_moe
+from kernels.tune.step import OP, MoeEntry, candidate_stages, tune_entries
 
 CPU = torch.device("cpu")
 
 
-def _every_candidate(entry: MoeEntry, base: dict, bucket: int = 1) -> list[dict]:
+def _every_candidate(entry: MoeEntry, base: dict) -> list[dict]:
     out = []
-    for stage in candidate_stages(entry, base, bucket):
+    for stage in candidate_stages(entry, base):
         out += stage(base)
     return out
 
@@ -48,9 +50,28 @@ def test_entry_keys_are_the_fused_moe_table_keys():
     assert MoeEntry("routed", 6, 64, 2048, 1408, "mxfp4").key(5) == "T8_A6_E64_D2048_I1408_mxfp4"
 
 
-def test_write_table_merges_into_the_committed_table(tmp_path):
-    tuned = {"T1_A1_E1_D2048_I2816_fp8": {"BLOCK_M": 16, "BLOCK_N": 32, "BLOCK_K": 128}}
-    path = write_table(tuned, tmp_path / "out", "NVIDIA_H200")
-    table = json.loads(path.read_text())
-    assert table["NVIDIA_H200"]["T1_A1_E1_D2048_I2816_fp8"] == tuned["T1_A1_E1_D2048_I2816_fp8"]
-    assert "T1_A6_E64_D2048_I1408_bf16" in table["NVIDIA_H200"]  # committed entries kept
+def test_descent_keeps_each_entrys_fastest_config_and_times_later_ones_beside_it():
+    routed = MoeEntry("routed", 6, 64, 2048, 1408, "bf16")
+    shared = MoeEntry("shared", 1, 1, 2048, 2816, "bf16")
+    seen = []
+
+    def step_ms() -> float:
+        # a step whose time falls with the routed BLOCK_N and with the shared down's split
+        r = configs.lookup(OP, routed.key(1), CPU)
+        s = configs.lookup(OP, shared.key(1), CPU)
+        seen.append((r, s))
+        split = fused_moe.down_config(s).get("SPLIT_K", 1) if s else 1
+        return 10.0 - r["BLOCK_N"] / 64 - split / 8
+
+    try:
+        tuned, rows = tune_entries([routed, shared], 1, CPU, step_ms, log=lambda _: None)
+        assert tuned[routed.key(1)]["BLOCK_N"] == 128
+        assert fused_moe.down_config(tuned[shared.key(1)])["SPLIT_K"] == 8
+        # the shared entry was timed beside the routed entry's best
+        assert all(r == tuned[routed.key(1)] for r, s in seen if s is not None)
+        assert len(rows) == len(seen) and sum(r.get("base", False) for r in rows) == 2
+        for key, cfg in tuned.items():  # the bests stay stored until cleared
+            assert configs.lookup(OP, key, CPU) == cfg
+    finally:
+        configs.clear_stored(OP)
+    assert configs.lookup(OP, routed.key(1), CPU) is None  # no interpreter table entry
