@@ -17,10 +17,10 @@ _DTYPES = {
 
 
 # From 64 tokens per step the bf16 decode of FP8 weights into the MMA is compute-bound;
-# native FP8 took Moonlight FP8 + MXFP4 decode on the H200 from 19,065 to 20,395 tok/s at
-# batch 256 and 12,239 to 12,756 at batch 128 (data/benchmarks, session 4), with logits
-# within 6e-2 of the float32 path (tests/engine/test_gpu_engine.py). Below 64 the decode
-# path is as fast and exact against the bf16 activations.
+# native FP8 decodes Moonlight FP8 + MXFP4 4-7% faster there on the H200 (batch 128 and
+# 256, docs/notes-gpu-engine.md), with logits within 6e-2 of the float32 path
+# (tests/engine/test_gpu_engine.py). Below 64 the decode path is as fast and exact against
+# the bf16 activations.
 FP8_NATIVE_MIN_TOKENS = 64
 
 
@@ -61,10 +61,10 @@ class EngineConfig:
     main_stream_first: bool = True
     # CUDA: MLA's expanded form (prefill) computes keys, values and attention in the
     # model's dtype (bf16 tensor cores, flash attention with a float32 softmax, as
-    # transformers' bf16 model does). True: in float32 (sm80 float32 GEMMs and attention on
-    # the H200). H200, 2026-11-29, 128 prompts of 128 tokens, FP8 + MXFP4: prefill kernels
-    # 330 -> 288 ms, batch-256 end to end 14,088 -> 14,871 tok/s, Moonlight-shape logits
-    # still within bf16 tolerance. A float32 model (and the CPU) computes float32 either way.
+    # transformers' bf16 model does), with Moonlight-shape logits within bf16 tolerance and
+    # prefill ~13% faster than float32 on the H200 (docs/notes-gpu-engine.md). True: in
+    # float32 (sm80 float32 GEMMs and attention there). A float32 model (and the CPU)
+    # computes float32 either way.
     mla_expanded_float32: bool = False
     # Steps all decode or all prefill, waiting sequences admitted in groups of at least
     # min_prefill_seqs (engine/scheduler.py). None: on where decode steps replay CUDA graphs,
@@ -73,8 +73,8 @@ class EngineConfig:
     min_prefill_seqs: int | None = None
     # CUDA, DeepSeek models: decode steps whose stacked q/kv_a runs the FP8 GEMV (1-8
     # tokens by the H200's table) compute the layer's input RMSNorm inside it, one launch
-    # fewer per layer (engine/backends/cuda.py mla_decode_with_input_norm). H200, FP8 +
-    # MXFP4 batch 1: 513 -> 518-520 tok/s (docs/notes-gpu-engine.md, v14).
+    # fewer per layer (engine/backends/cuda.py mla_decode_with_input_norm): ~1% more
+    # batch-1 tok/s, FP8 + MXFP4 on the H200 (docs/notes-gpu-engine.md).
     fold_input_norm: bool = True
 
     def __post_init__(self) -> None:

@@ -39,9 +39,10 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Buckets whose graphs are captured on a high-priority stream (EngineConfig.main_stream_first).
-# H200, 2026-11-29: batch 1 +6.5% bf16, +2% FP8 + MXFP4; batch 32 -1 to -2% (there the
-# routed kernels fill the GPU and the shared expert is the one kept waiting).
+# Buckets whose graphs are captured on a high-priority stream (EngineConfig.main_stream_first):
+# on the H200 it speeds batch 1 up (+6.5% bf16, +2% FP8 + MXFP4) and slows batch 32 down by
+# 1-2%, where the routed kernels fill the GPU and the shared expert is the one kept waiting
+# (docs/notes-gpu-engine.md).
 MAIN_STREAM_FIRST_MAX_BATCH = 16
 
 # Rows of DecodeInputs.ints (int64) and .floats (float32).

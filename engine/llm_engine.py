@@ -25,9 +25,9 @@ _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, index) pairs over the generator
 def default_min_prefill_seqs(config: EngineConfig) -> int:
     """Half the slots: a prefill step's fixed cost (its host launches, ~100 ms at a few
     thousand tokens on the H200) is paid once per group, against slots idling while the
-    group fills. H200, batch 256, FP8 + MXFP4 Moonlight shape, 1,024 requests of 32-256
-    new tokens, end to end: groups of 32 16,744 tok/s, 64 17,798, 128 18,107-18,417, 256
-    (a whole new batch) 13,149 (data/benchmarks/decode-h200-moonlight-v13-b256-*)."""
+    group fills. Half was the fastest group on the H200 (batch 256, FP8 + MXFP4 Moonlight
+    shape, 1,024 requests of 32-256 new tokens, end to end: 18,107-18,417 tok/s, against
+    16,744 for groups of 32 and 13,149 for the whole batch; docs/notes-gpu-engine.md)."""
     return max(1, config.max_num_seqs // 2)
 
 

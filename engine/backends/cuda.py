@@ -53,9 +53,10 @@ log = logging.getLogger(__name__)
 
 KERNEL_DTYPES = (torch.bfloat16, torch.float16)
 MIN_DOT_K = 16  # tl.dot needs K >= 16; the decode kernel dots over the latent and rope widths
-# Tokens up to which the shared expert runs inside the fused MoE launches. H200, 2026-11-29,
-# with it fused at every size: decode steps got faster at batch 1 and 32, batch 256's did
-# not and prefill slowed, which its narrow DENSE tiles explain (not timed in isolation).
+# Tokens up to which the shared expert runs inside the fused MoE launches, where it saves
+# launches and runs beside the routed experts. Larger steps are arithmetic-bound, where
+# its narrow DENSE tiles lose to cuBLAS's: fused at every size, batch-256 decode gained
+# nothing on the H200 and prefill slowed (docs/notes-gpu-engine.md).
 SHARED_FUSED_MAX_TOKENS = 64
 # Tokens up to which the router computes the float32 gate GEMV itself (one launch instead
 # of x.float(), cuBLAS's dot + split-K reduce and the router). Its programs re-read their
