@@ -56,6 +56,8 @@ class StopFlag:
     def handler(self, signum, frame) -> None:
         name = signal.Signals(signum).name
         if not self._graceful or self.requested:
+            if self._graceful and self._timer is not None:  # a second signal in the grace
+                log.warning("%s again: stopping now; the rows in flight run again on resume", name)
             self.requested = True
             raise KeyboardInterrupt
         self.requested = True

@@ -40,6 +40,8 @@ def report_cmd(run_dir: str, verify: bool) -> None:
             click.echo(line)
         sys.exit(0 if whole else 2)
 
+    import pyarrow as pa
+
     from batchgen.report import render_markdown, write_report
 
     previous = rd.path / "report.json"
@@ -47,7 +49,17 @@ def report_cmd(run_dir: str, verify: bool) -> None:
     if previous.exists():
         old = json.loads(previous.read_text())
         exit_code, total = old.get("exit_code"), old.get("rows_total")
-    report = write_report(rd, None, None, exit_code=exit_code, total_rows=total)
+    try:
+        report = write_report(rd, None, None, exit_code=exit_code, total_rows=total)
+    except (OSError, pa.ArrowException) as exc:
+        reason = str(exc).strip().splitlines()[0] if str(exc).strip() else type(exc).__name__
+        click.echo(
+            f"error: the report of {run_dir} cannot be built: {reason}; "
+            f"`batchgen report {run_dir} --verify` names the damaged parts, a rerun of the "
+            "job repairs them",
+            err=True,
+        )
+        sys.exit(2)
     click.echo(render_markdown(report))
 
 

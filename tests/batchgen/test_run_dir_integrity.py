@@ -118,6 +118,9 @@ def test_damaged_and_missing_parts_are_quarantined_and_only_their_rows_rerun(cop
         assert f"part-0000{n}.parquet: DAMAGED" in check.output
     assert "part-00003.parquet: ok" in check.output
     assert part[1].exists() and part[2].exists()  # --verify moves nothing
+    report = CliRunner().invoke(main, ["report", str(run_path)])
+    assert report.exit_code == 2 and isinstance(report.exception, SystemExit)
+    assert "--verify` names the damaged parts" in report.output
 
     rerun = run(job)
     assert rerun.returncode == 0, rerun.stderr
