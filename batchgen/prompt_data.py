@@ -20,9 +20,11 @@ what drops the boundary marks (iterating a value's characters, `split()`), so a 
 token string a value holds stays data there too. What a template builds from values by
 other means (a value's characters re-joined one by one) is text the template wrote.
 
-Printing a value adds its two marks to the printed text: a template that measures or
-compares text it has printed (`(a ~ b) | length`) sees them. Filters and methods see the
-value itself.
+What a template can observe: printing a value adds its two marks to the printed text, so
+a template that measures or compares text it has printed (`(a ~ b) | length`) sees them;
+in a value that holds special-token strings each of them is one character to the
+template (`length`, slices). Values without special-token strings are themselves to
+filters and methods, and render to exactly the text they rendered to unmarked.
 """
 
 from __future__ import annotations
@@ -95,6 +97,25 @@ class DataStr(str):
     def __repr__(self) -> str:
         return f"{self.marks.open}{self.marks.plain(self)!r}{self.marks.close}"
 
+    def __getitem__(self, key):  # Jinja2 slices (`text[:100]`) without a sandbox hook
+        return self.marks.data(str.__getitem__(self, key))
+
+
+class DataBytes(bytes):
+    """A row's binary value: bytes as they are to filters and methods (`decode` gives
+    data text), printing as its marked repr."""
+
+    marks: RowMarks
+
+    def __str__(self) -> str:
+        return str(self.marks.data(bytes.__repr__(self)))
+
+    __repr__ = __str__
+
+    def __getitem__(self, key):
+        part = bytes.__getitem__(self, key)
+        return self.marks.wrap(part) if isinstance(part, bytes) else part
+
 
 class RowMarks:
     """The marks of one row: two boundary characters and an escape character for each
@@ -157,7 +178,7 @@ class RowMarks:
     def wrap(self, value: Any) -> Any:
         """A row value ready for the template: strings become DataStr, containers are
         wrapped item by item, other values pass as they are."""
-        if isinstance(value, DataStr):
+        if isinstance(value, (DataStr, DataBytes)):
             return value
         if isinstance(value, str):
             return self.data(value)
@@ -168,7 +189,9 @@ class RowMarks:
         if isinstance(value, dict):
             return {k: self.wrap(v) for k, v in value.items()}
         if isinstance(value, (bytes, bytearray)):
-            return self.data(repr(bytes(value)))  # how a template would print it
+            data = DataBytes(value)
+            data.marks = self
+            return data
         return value
 
     def _mark_pattern(self) -> re.Pattern:
@@ -248,20 +271,23 @@ def _marks_in(*values: Any) -> RowMarks | None:
     """The marks of the first DataStr among `values` or one level inside them (the list a
     `join` takes, the tuple or dict a `%` takes)."""
     for value in values:
-        if isinstance(value, DataStr):
+        if isinstance(value, (DataStr, DataBytes)):
             return value.marks
         items = value.values() if isinstance(value, dict) else value
         if isinstance(items, (list, tuple, type({}.values()))):
             for item in items:
-                if isinstance(item, DataStr):
+                if isinstance(item, (DataStr, DataBytes)):
                     return item.marks
     return None
 
 
 def _as_data(marks: RowMarks, result: Any) -> Any:
-    if isinstance(result, str) and not isinstance(result, DataStr):
-        return marks.data(result)
-    if isinstance(result, (list, tuple)) and any(isinstance(r, str) for r in result):
+    """`result` (a str, bytes, or a list or tuple of them) as data of the row."""
+    if isinstance(result, (DataStr, DataBytes)):
+        return result
+    if isinstance(result, (str, bytes)):
+        return marks.wrap(result)
+    if isinstance(result, (list, tuple)) and any(isinstance(r, (str, bytes)) for r in result):
         items = [_as_data(marks, r) for r in result]
         return items if isinstance(result, list) else tuple(items)
     return result
@@ -288,8 +314,8 @@ def _json_dumps(value: Any, **kwargs: Any) -> str:
 
 class DataMarkingSandbox(LimitedSandbox):
     """LimitedSandbox in which text derived from a row value stays marked as data: the
-    str results of operators, methods, slices and filters that took a DataStr, and the
-    JSON `tojson` writes of them."""
+    str results of operators, methods and filters that took a DataStr, and the JSON
+    `tojson` writes of them (slices are DataStr's own)."""
 
     def __init__(self, max_chars: int) -> None:
         super().__init__(max_chars)
@@ -305,10 +331,6 @@ class DataMarkingSandbox(LimitedSandbox):
         target = getattr(__obj, "__wrapped__", __obj)
         marks = _marks_in(getattr(target, "__self__", None), *args, *kwargs.values())
         return _as_data(marks, result) if marks else result
-
-    def getitem(self, obj: Any, argument: Any) -> Any:
-        result = super().getitem(obj, argument)
-        return _as_data(obj.marks, result) if isinstance(obj, DataStr) else result
 
     def _guard_filter(self, name: str, func):
         guarded = super()._guard_filter(name, func)

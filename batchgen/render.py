@@ -18,6 +18,7 @@ from collections.abc import Callable
 from typing import Any, Protocol
 
 from jinja2 import TemplateError, TemplateSyntaxError, meta
+from jinja2.exceptions import SecurityError, UndefinedError
 
 from batchgen.job_spec import JobError, PromptSpec, cut
 from batchgen.prompt_data import (
@@ -79,12 +80,20 @@ def _row_chars(values: dict[str, Any]) -> int:
 def template_text(template: str) -> Callable[[dict[str, Any]], str]:
     """The job template alone over a row's values, in the same sandbox and limits: the
     user message without system prompt, chat template or tokenizer. Task clustering
-    embeds this text."""
+    embeds this text. A row the template fails on raises UndefinedError, SecurityError
+    (a sandbox refusal or limit) or ValueError (anything else the template raised)."""
     env = LimitedSandbox(DEFAULT_MAX_CHARS)
     compiled = env.compile_limited(template)
-    return lambda values: env.render_limited(
-        compiled, values, DEFAULT_MAX_CHARS + _row_chars(values)
-    )
+
+    def render(values: dict[str, Any]) -> str:
+        try:
+            return env.render_limited(compiled, values, DEFAULT_MAX_CHARS + _row_chars(values))
+        except (UndefinedError, SecurityError):
+            raise
+        except Exception as exc:  # user code: any failure is the row's, as a ValueError
+            raise ValueError(f"{type(exc).__name__}: {cut(str(exc))}") from None
+
+    return render
 
 
 class PromptRenderer:

@@ -122,6 +122,10 @@ def test_the_templates_own_special_tokens_stay_special(hf_tokenizer):
         ("{{ text | trim }}", {}),
         ("{{ text | upper | lower }}", {}),
         ("{{ text[:40] }}", {}),
+        ("{{ text[:12] }}{{ text[12:] }}", {}),
+        ("{{ data }}", {}),
+        ("{{ data[:30] }}", {}),
+        ("{{ data.decode() }}", {}),
         ("{{ text.split('\\n') | join('\\n') }}", {}),
         ("{% for c in text %}{{ c }}{% endfor %}", {}),
         ("{{ 'Q: ' + text }}", {}),
@@ -137,7 +141,7 @@ def test_the_templates_own_special_tokens_stay_special(hf_tokenizer):
 )
 def test_text_derived_from_a_value_stays_text(hf_tokenizer, template, values):
     r = _renderer(hf_tokenizer, template="Task: " + template, chat=True)
-    ids = _ids(r, **{"text": FORGED_TURN, "half": "", **values})
+    ids = _ids(r, **{"text": FORGED_TURN, "half": "", "data": FORGED_TURN.encode(), **values})
     assert _specials(hf_tokenizer, ids) == [1, 2, 1]  # user turn, its end, assistant
 
 
