@@ -97,3 +97,25 @@ def test_bad_grace_period_is_refused(make_job, monkeypatch):
     job, path = make_job(rows=sentence_rows(4))
     with pytest.raises(JobError, match="BATCHGEN_STOP_GRACE_S: 'soon'"):
         _run(job, path, FakeLLM())
+
+
+class _TermWhileLoading(FakeLLM):
+    """SIGTERM arrives while the run is still setting up (here: asked for its tokenizer)."""
+
+    @property
+    def tokenizer(self):
+        os.kill(os.getpid(), signal.SIGTERM)
+        return self._tokenizer
+
+    @tokenizer.setter
+    def tokenizer(self, value):
+        self._tokenizer = value
+
+
+def test_sigterm_before_generation_exits_5_with_nothing_lost(make_job, tmp_path):
+    job, path = make_job(rows=sentence_rows(12))
+    outcome = _run(job, path, _TermWhileLoading())
+    assert outcome.exit_code == EXIT_INTERRUPTED
+    assert "resume with `batchgen run" in outcome.message
+    assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+    assert _run(job, path, FakeLLM()).exit_code == 0
