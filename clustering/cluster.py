@@ -41,7 +41,7 @@ class ClusterConfig:
     k_patience: int = 8
     seed: int = 0
     # BLAS/OpenMP threads for fitting. One by default: on a small shared machine, k-means
-    # with an OpenMP team of spinning threads ran 30x slower than single-threaded.
+    # with an OpenMP team of spinning threads runs ~30x slower than single-threaded.
     threads: int | None = 1
 
     def __post_init__(self) -> None:

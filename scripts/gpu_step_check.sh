@@ -12,8 +12,8 @@
 #   scripts/gpu_step_check.sh [decode-moe options, default --hf-batches "" --batches 1,8,32,128,256]
 #
 # Each device call starts on a fresh machine, and Triton compiles every kernel variant the
-# tests and benchmarks launch again (in session 5 the fused-MoE GPU tests alone outran 170
-# s). So Triton's cache travels: the script leaves it, without the IR text files, in
+# tests and benchmarks launch again (the fused-MoE GPU tests alone can outrun 170 s). So
+# Triton's cache travels: the script leaves it, without the IR text files, in
 # $OUT/triton-cache.tgz (when under the 16 MiB a returned file may have); copy that file to
 # the repo root (git ignores it) and name it in the next call's `carry`, and the script
 # unpacks it first. Same code and image: the kernels load instead of compiling.

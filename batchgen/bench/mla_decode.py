@@ -2,9 +2,9 @@
 at the engine's decode shapes, in GB/s of cache read and % of the copy bandwidth, for a
 sweep of its launch settings (context tile, warps, pipeline stages, sequence splits).
 
-Why: in a batch-256 Moonlight decode step on the H200 the kernel took 1.39 ms of 11.8
-(52 us per layer for ~57 MB of cache, ~26% of copy) and at batch 1 12 us per layer for
-0.3 MB; its settings (32-token tiles, 8 warps, 2 stages) were never swept.
+Why: it is one of a decode step's longest kernels (on the H200 ~10 us per layer at batch
+1 for 0.3 MB of cache), and its launch settings (mla_decode's defaults, choose_num_splits,
+default_value_blocks) are what this sweep found fastest.
 
 Bytes per call: the cache rows read (context x (kv_lora + rope) x 2), q and the output.
 Each call reads its own cache copy, and the copies together exceed the L2, all captured

@@ -1,6 +1,6 @@
 """Helpers shared by the Triton wrappers and kernels.
 
-Interpreter hazard (triton 3.9, seen 2026-11): the interpreter stores bfloat16 as uint16
+Interpreter hazard (triton 3.9): the interpreter stores bfloat16 as uint16
 and its `tl.dot` multiplies those raw bit patterns, so a bf16 x bf16 dot returns garbage
 (fp16 and fp8 operands are fine: it converts those to fp16 first). Kernels therefore
 take an `F32_DOT` meta-parameter, set only under the interpreter, that upcasts both dot

@@ -131,8 +131,8 @@ def act_quant_kernel(
     BLOCK: tl.constexpr,
 ):
     """One program per (BLOCK_ROWS rows, 128-block): s = amax / 448, q = x / s per row. Rows
-    are batched because one program per (row, block) made ~4 us launches of 4096 tiny
-    programs at 256 rows (H200, batch-256 decode: 623 us per step over 135 calls)."""
+    are batched: one program per (row, block) is thousands of tiny programs per launch at
+    decode batch sizes, whose launches cost several times the work (docs/notes-gpu-kernels.md)."""
     rows = tl.program_id(0) * BLOCK_ROWS + tl.arange(0, BLOCK_ROWS)
     kb = tl.program_id(1)
     offs = kb * BLOCK + tl.arange(0, BLOCK)
@@ -156,7 +156,7 @@ def splitk_reduce_kernel(
     BLOCK: tl.constexpr,
 ):
     """y = sum over the split of the partials, cast once: one launch where torch's
-    sum-then-cast took two."""
+    sum-then-cast takes two."""
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     acc = tl.zeros((BLOCK,), tl.float32)
@@ -218,7 +218,7 @@ def fp8_gemv_kernel(
     rounded to the residual's dtype, its rms over the whole row (every program computes
     its rows' rms: two rows of K values from L2), the normalised row rounded again. The
     row-block-0 programs store the rounded sum as the new residual (res_out, never the
-    residual read here). One launch where the norm took its own before the GEMV."""
+    residual read here). One launch, where a separate norm would take its own."""
     CHUNKS: tl.constexpr = BLOCK_K // VEC
     pid_n = tl.program_id(0)
     pid_k = tl.program_id(1)

@@ -165,7 +165,7 @@ def _load_weights(w_rows, ws_rows, mask_n, k0, K_WORDS, BLOCK_K: tl.constexpr):
     [BLOCK_N, 1]) and their E8M0 scales [BLOCK_N, BLOCK_K/32]; past K (or masked) codes read
     as zero. K_WORDS (K / 8) is an argument of its own so that Triton's launcher sees it
     divisible by 16 where it is: the mask is then constant over 4 words and the codes load
-    as 16-byte vectors (K / 8 from a K known only as divisible by 16 gave 8-byte loads)."""
+    as 16-byte vectors (K / 8 from a K known only as divisible by 16 gives 8-byte loads)."""
     offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     offs_b = k0 // 32 + tl.arange(0, BLOCK_K // 32)
     in_w, in_b = offs_w < K_WORDS, offs_b < K_WORDS // 4
@@ -275,9 +275,9 @@ def moe_gate_up_int8_kernel(
             acc_u = _dot_step(acc_u, u, us, x_lo, x_hi, x_s, BLOCK_K, ASM)
     else:
         # Each tile loaded just before its math: fewer registers (64 against 97 at the
-        # one-token tile, sm_90). Slower alone, but this order (with 8-byte loads, before
-        # K_WORDS) made the faster batch-1 decode step beside the shared expert's kernels:
-        # H200, 517 against 501-504 tok/s with PREFETCH (notes-gpu-engine.md, v12).
+        # one-token tile, sm_90). Slower alone, but beside the shared expert's kernels this
+        # order makes the faster batch-1 decode step on the H200, whose one-token entry
+        # sets PREFETCH off (docs/notes-gpu-engine.md).
         for k0 in range(0, D, BLOCK_K):
             x_lo, x_hi, x_s = _load_acts(xq_row, xs_row, k0, K_WORDS, BLOCK_K)
             g, gs = _load_weights(gate_w, gate_s, mask_n, k0, K_WORDS, BLOCK_K)

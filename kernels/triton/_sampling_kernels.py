@@ -24,8 +24,8 @@ def _gumbel(seed, step, rnd, v0, BLOCK_V: tl.constexpr, ASM: tl.constexpr):
     """Gumbel(0, 1) noise for vocabulary slots v0 .. v0 + BLOCK_V - 1 (v0 a multiple of 4,
     BLOCK_V >= 4), a pure function of (seed, step, round, slot): the same numbers on every
     run and batch layout. One Philox evaluation (10 rounds, ~80 instructions) makes four
-    numbers: slots 4q .. 4q + 3 take the four of counter q (tl.rand used one of the four
-    per slot, and its Philox was most of a sampling pass's instructions)."""
+    numbers: slots 4q .. 4q + 3 take the four of counter q (tl.rand would use one of the
+    four per slot, and its Philox would be most of a sampling pass's instructions)."""
     key = seed * 1000003 + step * 64 + rnd
     u0, u1, u2, u3 = tl.rand4x(key, v0 // 4 + tl.arange(0, BLOCK_V // 4))
     lane = tl.arange(0, 4)[None, :]

@@ -10,18 +10,18 @@ A GEMV kernel (M <= GEMV_MAX_M = 8): no tensor cores, each thread streams 16 con
 code bytes per row and multiplies them into the few activation rows with float32 FMAs.
 When N alone gives too few programs to keep every SM streaming it also splits K, and the
 last program of each row block sums the float32 partials in the same launch (arrival
-counters). Measured on the H200 (chains over weight copies larger than the L2, one graph)
-it wins only for one row on small matrices (Moonlight's q/kv_a/o_proj: 5.2-7.2 us vs the
-dot kernel's 6.6-7.9) and loses from two rows on (its FMAs grow with M: q_proj at M=8 22.7
-us vs 8.7) and on large matrices (18432x7168 M=1 79.8 vs 61.1): by default it runs only
-there (`GEMV_DEFAULT_MAX_WEIGHTS`). Everything else uses the tl.dot kernel; its split-K
-partials are summed by one small launch.
+counters). On the H200 (chains over weight copies larger than the L2, one graph) it beats
+the dot kernel only for one row of a small matrix (Moonlight's q/kv_a/o_proj: 5.2-7.2 us
+against 6.6-7.9); its FMAs grow with M, and large matrices stream faster through the dot
+kernel, so by default it runs only there (`GEMV_DEFAULT_MAX_WEIGHTS`,
+docs/notes-gpu-kernels.md). Everything else uses the tl.dot kernel; its split-K partials
+are summed by one small launch.
 
 The config (tuned table, else `default_config`) picks the kernel: "KERNEL": "gemv" or
-"dot" (tables written before the GEMV existed have no key and mean "dot").
+"dot" (an entry without the key means "dot").
 
-`fp8_gemv` is the GEMV on its own; `fp8_gemv_rmsnorm` takes RMSNorm(x + residual) as its input instead (a decoder layer's
-input norm and first projection in one launch).
+`fp8_gemv` is the GEMV on its own; `fp8_gemv_rmsnorm` takes RMSNorm(x + residual) as its
+input instead (a decoder layer's input norm and first projection in one launch).
 """
 
 from __future__ import annotations
@@ -44,8 +44,8 @@ OP = "fp8_linear"
 # at M=8 with 32-row tiles, spills at 16), and at 8 FMAs per weight byte it is near the
 # float32 FMA rate, where a 16-row MMA tile wastes little.
 GEMV_MAX_M = 8
-# The heuristic takes the GEMV for a single row of a matrix up to this many weights (H200
-# measurements in the module docstring); a tuned table entry may choose it elsewhere.
+# The heuristic takes the GEMV for a single row of a matrix up to this many weights (the
+# module docstring says why); a tuned table entry may choose it elsewhere.
 GEMV_DEFAULT_MAX_WEIGHTS = 8 << 20
 
 
@@ -88,9 +88,8 @@ def default_config(m: int, n: int, k: int, device: torch.device, native_fp8: boo
         )
     # Prefill and large decode batches: 128x128 tiles when the matrix gives enough of
     # them; the engine's matrices are small (N 576..3072 at hidden 2048), where 128x128
-    # tiles left most SMs idle (q_proj at M=256: 48 programs for 132 SMs; measured 6.5 ms of
-    # FP8 linears in a batch-256 Moonlight step), so narrower tiles, then split-K, until
-    # every SM has a program.
+    # tiles leave most SMs idle (q_proj at M=256: 48 programs for 132 SMs), so narrower
+    # tiles, then split-K, until every SM has a program.
     sms = sm_count(device)
     block_m, block_n = (64 if m <= 64 else 128), 128
 

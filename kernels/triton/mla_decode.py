@@ -46,12 +46,11 @@ def choose_num_splits(
     batch: int, max_context: int, heads: int, device: torch.device, block_t: int = 32
 ) -> int:
     """About one program per SM over (sequence, head-block, split), and no more splits than
-    the kernel would use for `max_context` (extra ones exit at once). Measured on the H200
-    (`batchgen bench mla-decode`, data/benchmarks/mla-decode-h200.json): once sequences x
-    head blocks fill the SMs, one split per sequence is fastest (batch 256, context 192:
-    29 us against 42 us with the two splits of the earlier two-waves rule). Rounding
-    accepts some idle SMs (100 programs on 132 SMs get one split each) rather than a
-    merge of partials."""
+    the kernel would use for `max_context` (extra ones exit at once). Once sequences x head
+    blocks fill the SMs, one split per sequence is fastest (H200, `bench mla-decode`,
+    batch 256, context 192: 29 us against 42 with two splits; docs/notes-gpu-kernels.md).
+    Rounding accepts some idle SMs (100 programs on 132 SMs get one split each) rather
+    than a merge of partials."""
     sms = sm_count(device)
     programs = batch * triton.cdiv(heads, 16)
     want = round(sms / programs)
@@ -61,7 +60,7 @@ def choose_num_splits(
 def default_num_warps(kvl: int, num_splits: int) -> int:
     """8 warps for a wide latent split over the sequence; 4 when each program streams a
     whole sequence (one split: the grid already fills the GPU, and more programs fit per
-    SM). H200, Moonlight batch 256: 29 us at 4 warps, 52 at 8 (mla-decode-h200.json)."""
+    SM): H200, Moonlight batch 256, 29 us at 4 warps against 52 at 8."""
     return 8 if kvl >= 256 and num_splits > 1 else 4
 
 

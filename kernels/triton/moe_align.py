@@ -10,17 +10,17 @@ The result pads each expert's pairs to a multiple of BM so every BLOCK_M tile of
 Two ways, chosen by P (both also zero an optional float32 buffer the down kernel then
 accumulates into, the combine, in extra programs, so that costs no launch of its own):
 - one chunk of pairs (batch-1..16 decode): one Triton launch whose program 0 does the whole
-  grouping, a few microseconds where the torch chain it replaced was ~20 kernels of ~3 us;
+  grouping, a few microseconds, where the torch twin's chain is ~20 kernels of ~3 us;
 - more (batch 32..~700): two launches over chunks of pairs in parallel. `moe_count_kernel`
   writes each chunk's per-expert counts; in `moe_place_kernel` every chunk's program sums
   the counts of all chunks (the padded expert starts) and of the chunks before its own (its
   offset), and scatters its pairs, while extra programs write the tile -> expert map and
-  the pad slots. One program looping over 768 pairs took 51 us per MoE layer on the H200
-  (1.3 ms of an 11 ms batch-128 step).
+  the pad slots (one program alone loops over batch 128's 768 pairs in ~51 us per MoE
+  layer on the H200, ~12% of the step).
 - above PREFIX_MIN_PAIRS (prefill): the same two launches with a cumsum of the chunk counts
   between them, so each program reads two rows of it (its offset, the totals) instead of
-  summing every chunk's counts, which grows with the square of the chunks. Before it,
-  prefill ran the torch twin: ~20 launches per MoE layer, host-bound in a prefill step.
+  summing every chunk's counts, which grows with the square of the chunks (the torch
+  twin's ~20 launches per MoE layer would leave a prefill step host-bound).
 `moe_align_torch` is the plain torch twin; all give the same bits (ranks within an expert
 are stable).
 """

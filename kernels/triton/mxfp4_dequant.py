@@ -4,8 +4,8 @@ At a few tokens the MoE kernels decode MXFP4 codes in registers and never write 
 weight: the step is bound by the bytes it reads. At prefill sizes every token tile of an
 expert decodes that expert's weights again (16K tokens, 64 experts: ~12 tiles of 128
 tokens each), and the decode's ALU work is what the tensor cores wait for: on the H200 the
-MXFP4 MoE at 16K Moonlight tokens ran at 314 TFLOP/s against bf16's 455
-(`kernels-h200-v9-moe-prefill-grouped.json`). Decoding each weight once into a bf16
+MXFP4 MoE at 16K Moonlight tokens runs at 314 TFLOP/s against bf16's 455
+(docs/notes-gpu-kernels.md). Decoding each weight once into a bf16
 scratch (read 0.5 + write 2 bytes per weight) and running the bf16 kernels is the other
 way; the fused MoE config chooses it ("KERNEL": "dequant").
 

@@ -125,7 +125,7 @@ def test_preemption_with_a_pending_token(tiny_llama):
 def test_a_sequence_outgrowing_the_cache_fails_alone(tiny_llama):
     # 48 cache slots: r0 (a 2-token prompt, 60 new tokens) outgrows the whole cache mid-
     # decode and fails with a message; the other requests finish as they would alone, and
-    # the synchronous and async engines agree (the synchronous one used to stop the run).
+    # the synchronous and async engines agree (neither stops the run).
     long = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
     short = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     requests = reqs(lambda i: long if i == 0 else short)
