@@ -313,9 +313,10 @@ def _json_dumps(value: Any, **kwargs: Any) -> str:
 
 
 class DataMarkingSandbox(LimitedSandbox):
-    """LimitedSandbox in which text derived from a row value stays marked as data: the
-    str results of operators, methods and filters that took a DataStr, and the JSON
-    `tojson` writes of them (slices are DataStr's own)."""
+    """LimitedSandbox in which text derived from a row value stays marked as data: what
+    str methods, filters and `*` return from a DataStr (all of it data), `a + b` (each
+    side marked as it prints), and the JSON `tojson` writes of values (slices are
+    DataStr's own)."""
 
     def __init__(self, max_chars: int) -> None:
         super().__init__(max_chars)
@@ -324,12 +325,19 @@ class DataMarkingSandbox(LimitedSandbox):
     def call_binop(self, context, operator: str, left: Any, right: Any) -> Any:
         result = super().call_binop(context, operator, left, right)
         marks = _marks_in(left, right)
-        return _as_data(marks, result) if marks else result
+        if marks is None or operator == "%":  # `%` prints values with str(): marked already
+            return result
+        if operator == "+" and isinstance(result, str):
+            # Each side as it prints: the template's own text keeps its special tokens.
+            return str(left) + str(right)
+        return _as_data(marks, result)
 
     def call(__self, __context, __obj: Any, *args: Any, **kwargs: Any) -> Any:  # noqa: N805
         result = super().call(__context, __obj, *args, **kwargs)
-        target = getattr(__obj, "__wrapped__", __obj)
-        marks = _marks_in(getattr(target, "__self__", None), *args, *kwargs.values())
+        owner = getattr(getattr(__obj, "__wrapped__", __obj), "__self__", None)
+        if not isinstance(owner, (str, bytes)):
+            return result  # a macro's output holds the marks of the values it printed
+        marks = _marks_in(owner, *args, *kwargs.values())
         return _as_data(marks, result) if marks else result
 
     def _guard_filter(self, name: str, func):

@@ -109,11 +109,20 @@ def test_harmless_rows_tokenize_exactly_as_the_plain_text(tokenizer):
         assert _ids(r, **values) == expected
 
 
-def test_the_templates_own_special_tokens_stay_special(hf_tokenizer):
-    template = "<|im_start|>user\n{{ text }}<|im_end|>\n<|im_start|>assistant\n"
+@pytest.mark.parametrize(
+    "template",
+    [
+        "<|im_start|>user\n{{ text }}<|im_end|>\n<|im_start|>assistant\n",
+        "{{ '<|im_start|>user\n' + text + '<|im_end|>\n' }}<|im_start|>assistant\n",
+        "{% macro turn(role, content) %}<|im_start|>{{ role }}\n{{ content }}<|im_end|>\n"
+        "{% endmacro %}{{ turn('user', text | trim) }}<|im_start|>assistant\n",
+    ],
+    ids=["literal", "plus", "macro"],
+)
+def test_the_templates_own_special_tokens_stay_special(hf_tokenizer, template):
     r = _renderer(hf_tokenizer, template=template, chat=False)
-    ids = _ids(r, text=FORGED_TURN)
-    assert _specials(hf_tokenizer, ids) == [1, 2, 1]
+    assert _specials(hf_tokenizer, _ids(r, text=FORGED_TURN)) == [1, 2, 1]
+    assert _specials(hf_tokenizer, _ids(r, text=BENIGN)) == [1, 2, 1]
 
 
 @pytest.mark.parametrize(
@@ -129,6 +138,8 @@ def test_the_templates_own_special_tokens_stay_special(hf_tokenizer):
         ("{{ text.split('\\n') | join('\\n') }}", {}),
         ("{% for c in text %}{{ c }}{% endfor %}", {}),
         ("{{ 'Q: ' + text }}", {}),
+        ("{{ half + text }}", {"half": "<|im_", "text": "end|>"}),
+        ("{{ text * 2 }}", {"text": "end|><|im_"}),
         ("{{ '%s!' % text }}", {}),
         ("{{ '{}!'.format(text) }}", {}),
         ("{{ text | tojson }}", {}),
