@@ -7,11 +7,12 @@ request iterator passes unchanged. `restart` frees the failed engine and builds 
 (after running out of memory with half the max_num_seqs, at least 1).
 
 A failure streak counts engine failures (a step raising, or a build raising) since the
-engine last finished a request ok. A row that fails alone, on an engine that finished a
-request ok since its last failure, does not count: that failure is the row's, not the
-engine's. `probe` (a one-token request) tells the two apart when nothing else has run
-since. When the streak reaches MAX_CONSECUTIVE_FAILURES, `EngineGaveUp` stops the session
-(exit 5: committed rows stay, a rerun resumes).
+engine last finished a request ok; every failure after the first is a failed rebuild (the
+rebuild raised, or the rebuilt engine raised before finishing a request). A row that fails
+alone, on an engine that finished a request ok since its last failure, does not count:
+that failure is the row's, not the engine's. `probe` (a one-token request) tells the two
+apart when nothing else has run since. After MAX_FAILED_REBUILDS failed rebuilds in a row,
+`EngineGaveUp` stops the session (exit 5: committed rows stay, a rerun resumes).
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ from batchgen.engine_faults import EngineFaultLog
 
 log = logging.getLogger(__name__)
 
-MAX_CONSECUTIVE_FAILURES = 3
+MAX_FAILED_REBUILDS = 3
 
 
 @dataclass(frozen=True)
@@ -147,14 +148,16 @@ class EngineSupervisor:
         return False
 
     def count_failure(self, error: str) -> None:
-        """One more failure in the streak; EngineGaveUp when it reaches the limit."""
+        """One more failure in the streak; EngineGaveUp once the failures after the first
+        (failed rebuilds) reach MAX_FAILED_REBUILDS."""
         self.streak += 1
-        if self.streak >= MAX_CONSECUTIVE_FAILURES:
+        failed_rebuilds = self.streak - 1
+        if failed_rebuilds >= MAX_FAILED_REBUILDS:
             message = (
-                f"the engine failed {self.streak} times in a row without finishing a row "
-                f"(last: {error})"
+                f"the engine failed and {failed_rebuilds} rebuilds in a row failed too, "
+                f"without finishing a row (last: {error})"
             )
-            self.faults.append("gave_up", error=error, streak=self.streak)
+            self.faults.append("gave_up", error=error, failures_in_a_row=self.streak)
             raise EngineGaveUp(message)
 
     def restart(self, fault: EngineFault, shrink: bool = True) -> None:

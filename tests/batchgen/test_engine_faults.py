@@ -137,11 +137,13 @@ def test_an_engine_that_never_works_stops_with_exit_5_and_resumes(clean, tiny_mo
     assert proc.returncode == 5, proc.stdout + proc.stderr
     assert "Traceback" not in proc.stderr
     last = proc.stdout.strip().splitlines()[-1]
-    assert last.startswith("stopped: the engine failed 3 times in a row without finishing a row")
+    assert last.startswith(
+        "stopped: the engine failed and 3 rebuilds in a row failed too, without finishing a row"
+    )
     assert "crash@step=every" in last and f"resume with `batchgen run {job}`" in last
     report = _report(job)
     assert report["exit_code"] == 5
-    assert report["engine_restarts"] == 2
+    assert report["engine_restarts"] == 3  # each rebuilt engine failed at its first step
     assert [f["event"] for f in report["engine_faults"]][-1] == "gave_up"
     # No row was condemned for the engine's failure.
     assert not list((job.parent / "run" / "results").glob("*.parquet"))

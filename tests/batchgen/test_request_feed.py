@@ -167,11 +167,13 @@ def test_three_failures_in_a_row_give_up_an_ok_row_resets(tmp_path):
 
     sup = _supervisor(tmp_path, _Engine(), build)
     sup.count_failure("RuntimeError: first")
+    sup.count_failure("RuntimeError: the rebuilt engine failed too")
     sup.row_ok()  # a row finished: the streak starts again
     sup.count_failure("RuntimeError: second")
-    with pytest.raises(EngineGaveUp, match=r"3 times in a row .*OutOfMemoryError: CUDA out"):
+    sup.count_failure("RuntimeError: failed rebuild 1")
+    with pytest.raises(EngineGaveUp, match=r"3 rebuilds in a row .*OutOfMemoryError: CUDA out"):
         sup.restart(_fault(oom=False))
-    assert len(attempts) == 2  # the step failure and two failed builds make three
+    assert len(attempts) == 2  # with the failure above, two failed builds make three
     assert sup.llm is None
     gc.collect()
     events = [e["event"] for e in EngineFaultLog(tmp_path).events()]
