@@ -40,7 +40,7 @@ def test_os_error_writing_a_part_stops_resumably(tiny_model_dir, tmp_path):
     )
     assert match and match.group(2) == str(job), errors[0]
     failed = int(match.group(1))
-    assert failed >= 3
+    assert failed >= 2  # at least one part was committed before
     assert not [p for p in run_path.rglob("*") if p.name.endswith(".tmp")]
     # The parts before the failed one are committed and whole.
     assert [e["part"] for e in manifest(run_path)] == [
