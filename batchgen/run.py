@@ -162,7 +162,6 @@ class _Loop:
         self.budget_rows = ctx.job.errors.budget * ctx.total_rows * self.n
         self.budget_exceeded = False
         self.gave_up: str | None = None  # why the engine was given up on
-        # spill_dir: where the planner spills rows by cluster
         self.feed = RequestFeed(
             self.job,
             plan_rows(self._prepared(), self.job.batching, spill_dir),
@@ -259,6 +258,7 @@ class _Loop:
                 self._run_suspects_alone()
             else:
                 return  # the planner is done and every row it gave has finished
+            self.stats.engine_restarts = self.engine.restarts
 
     def _stream(self, requests: Iterable) -> EngineFault | None:
         """Run the engine over `requests`; the fault if it failed, else None."""
@@ -293,7 +293,6 @@ class _Loop:
                 pending.failures,
             )
         self.engine.restart(fault)
-        self.stats.engine_restarts = self.engine.restarts
 
     def _run_suspects_alone(self) -> None:
         """Each suspect row with nothing else in flight. Failing alone makes it an error
@@ -324,7 +323,6 @@ class _Loop:
             self.feed.drop(pending)
             self._finish_row([results[k] for k in range(self.n)])
             self.engine.restart(fault, shrink=False)
-            self.stats.engine_restarts = self.engine.restarts
 
 
 def run_job(
