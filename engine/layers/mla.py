@@ -99,8 +99,8 @@ def attend_expanded_batched(
     """B sequences in the expanded form, queries padded as in attend_absorbed_batched:
     q [B, Q, H, N+P] (rope applied), q_pos [B, Q], block_tables [B, blocks],
     context_lens [B] -> out [B, Q, H, V] float32. One batched expansion and one fused
-    attention call for the whole group (a prefill of 128 prompts used to take ~12 small
-    launches per prompt per layer, and its wall time was the host's). Keys, values and
+    attention call for the whole group, so a many-prompt prefill's launches (and the
+    host's time issuing them) do not grow with its prompt count. Keys, values and
     the attention are computed in `dtype` (bf16: tensor-core GEMMs and flash attention
     on a GPU, with its float32 softmax)."""
     N, R = dims.qk_nope_head_dim, dims.kv_lora_rank
@@ -297,9 +297,8 @@ class MultiLatentAttention(nn.Module):
 
         def indices(seqs: list[int]) -> tuple[torch.Tensor, ...]:
             # The index tensors are built on the host by a few vectorized ops and sent in
-            # one asynchronous copy, and the longest context is passed from the host: a
-            # prefill of 128 prompts used to build 16K-entry lists and copy 128 slices back
-            # per layer, and every blocking copy or .max() makes the host wait for the GPU.
+            # one asynchronous copy, and the longest context is passed from the host:
+            # every blocking copy or .max() makes the host wait for the GPU.
             lens = torch.tensor([q_lens[b] for b in seqs])
             steps = torch.arange(int(lens.max()))
             first = torch.tensor([starts[b] for b in seqs])

@@ -38,8 +38,7 @@ def test_bucket_for_pads_up(n, want):
 
 
 def _seq(prompt, generated, table, params, seed=None):
-    gen = torch.Generator().manual_seed(seed) if seed is not None else None
-    seq = Sequence("r", 0, prompt, params, gen)
+    seq = Sequence("r", 0, prompt, params, seed)
     seq.token_ids += generated
     seq.block_table = list(table)
     seq.num_computed = len(seq) - 1
