@@ -18,13 +18,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
-from sklearn.cluster import KMeans, MiniBatchKMeans
-from sklearn.metrics import silhouette_score
-from threadpoolctl import threadpool_limits
 
 from clustering.sample import StreamSample
+
+if TYPE_CHECKING:
+    from sklearn.cluster import KMeans, MiniBatchKMeans
+
+# scikit-learn (and threadpoolctl with it) is imported where k-means runs, not with this
+# module: it takes over a second, and a run that only reads stored clusters never fits.
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,8 @@ FULL_BATCH_ROWS = 20_000
 
 
 def _kmeans(vectors: np.ndarray, k: int, seed: int) -> KMeans | MiniBatchKMeans:
+    from sklearn.cluster import KMeans, MiniBatchKMeans
+
     if len(vectors) <= FULL_BATCH_ROWS:
         return KMeans(n_clusters=k, random_state=seed, n_init=10).fit(vectors)
     return MiniBatchKMeans(
@@ -98,6 +104,9 @@ def choose_k(
 ) -> tuple[int, dict[int, float]]:
     """The k with the best silhouette on the sample, and the score of every k tried.
     `on_progress(tried, candidates)` is called before each k and once at the end."""
+    from sklearn.metrics import silhouette_score
+    from threadpoolctl import threadpool_limits
+
     upper = min(config.max_k, n_total // config.min_cluster_size, len(sample) - 1)
     if upper < 2:
         return 1, {}
@@ -179,6 +188,8 @@ class KMeansClusterer:
         on_progress: Callable[[int, int], None] | None = None,
     ) -> None:
         """Choose k (when auto) and fit; `on_progress` as in choose_k."""
+        from threadpoolctl import threadpool_limits
+
         if len(sample) == 0:
             raise ValueError("cannot cluster zero rows")
         sample = np.asarray(sample, dtype=np.float32)

@@ -14,7 +14,6 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
-from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS, CountVectorizer
 
 # Words of prompt boilerplate that say nothing about the task.
 _PROMPT_STOP_WORDS = frozenset(
@@ -34,6 +33,9 @@ def class_tfidf(
     texts: Sequence[str], labels: np.ndarray, num_clusters: int
 ) -> tuple[np.ndarray, list[str]]:
     """(scores (num_clusters, V), vocabulary) of class-based TF-IDF."""
+    # Imported here: scikit-learn takes over a second to import, and only naming needs it.
+    from sklearn.feature_extraction.text import ENGLISH_STOP_WORDS, CountVectorizer
+
     vectorizer = CountVectorizer(
         stop_words=sorted(ENGLISH_STOP_WORDS | _PROMPT_STOP_WORDS),
         token_pattern=r"(?u)\b[^\W\d_][^\W\d_]+\b",  # words of 2+ letters, no digits
