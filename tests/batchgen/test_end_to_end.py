@@ -120,9 +120,10 @@ def test_determinism_across_batch_sizes(tiny_model_dir, tmp_path):
     assert texts[0]["text"].n_unique() > 24  # sampling did vary across rows and n_index
 
 
-@pytest.fixture(scope="module")
-def default_llm():
-    return LLM("smollm2-135m-instruct", max_num_seqs=8)
+@pytest.fixture
+def default_llm(default_model_llm):
+    """The session's default model (tests/conftest.py), up to 8 sequences at once."""
+    return default_model_llm
 
 
 @pytest.mark.parametrize("name", ["translate", "summarize", "dataset"])

@@ -4,8 +4,7 @@ loading the same GGUF file: the first 16 greedy tokens of three chat prompts."""
 import pytest
 import torch
 
-from engine import LLM, SamplingParams
-from engine.loader.catalog import resolve_model
+from engine import SamplingParams
 
 CHATS = [
     [{"role": "user", "content": "Translate into French: good morning"}],
@@ -18,18 +17,14 @@ CHATS = [
 
 
 @pytest.fixture(scope="module")
-def gguf_path():
-    try:
-        return resolve_model("smollm2-135m-instruct")
-    except (RuntimeError, FileNotFoundError) as exc:  # offline and no installed copy
-        pytest.skip(f"default model not available: {exc}")
+def reference(default_model_path, default_model_llm):
+    """transformers' own GGUF loading and generate on the same file. The chat is tokenized
+    by the transformers tokenizer the engine holds (Tokenizer.from_gguf is that tokenizer,
+    loaded from the file by transformers: a second load would read the same metadata)."""
+    from transformers import AutoModelForCausalLM
 
-
-@pytest.fixture(scope="module")
-def reference(gguf_path):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
-
-    tok = AutoTokenizer.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name)
+    gguf_path = default_model_path
+    tok = default_model_llm.tokenizer.hf
     model = AutoModelForCausalLM.from_pretrained(
         gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32
     ).eval()
@@ -44,8 +39,8 @@ def reference(gguf_path):
     return out
 
 
-def test_first_16_greedy_tokens_equal_transformers(reference, gguf_path):
-    llm = LLM("smollm2-135m-instruct", dtype="float32")
+def test_first_16_greedy_tokens_equal_transformers(reference, default_model_llm):
+    llm = default_model_llm
     params = SamplingParams(temperature=0, max_tokens=16, min_tokens=16)
     for (prompt_ids, want), chat in zip(reference, CHATS):
         rendered = llm.tokenizer.apply_chat_template(chat, add_generation_prompt=True)

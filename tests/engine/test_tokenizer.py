@@ -6,16 +6,16 @@ import json
 
 import pytest
 
-from engine.loader import catalog
 from engine.tokenizer import Tokenizer
 
 
 @pytest.fixture(scope="module")
-def gguf_tokenizer():
-    path = catalog.available_path(catalog.CATALOG["smollm2-135m-instruct"])
-    if path is None:
-        pytest.skip("the default model file is not available offline")
-    return Tokenizer.from_gguf(path)
+def gguf_tokenizer(default_model_llm):
+    """The tokenizer the engine read from the default model's GGUF metadata (the session's
+    model, tests/conftest.py: building another parses the same metadata again)."""
+    tok = default_model_llm.tokenizer
+    assert isinstance(tok, Tokenizer)
+    return tok
 
 
 def test_gguf_tokenizer_round_trip_and_specials(gguf_tokenizer):
