@@ -19,7 +19,8 @@ def _patch_the_language_once_per_launch() -> None:
     site, although the launch already patched the same modules and restores them when it
     ends. Helpers of the kernels under test are called tens of thousands of times: a third
     of an interpreted MoE test went there. Skip the repeat when the helper sees only modules
-    the running launch patched; anything else goes through Triton's own patching as before.
+    the running launch (or an earlier helper in it) patched; anything else goes through
+    Triton's own patching as before.
     """
     try:
         import triton.language as tl
@@ -38,8 +39,12 @@ def _patch_the_language_once_per_launch() -> None:
 
     def patch_once(fn):
         if running:  # a helper called inside a running launch
-            if languages(fn) <= running[-1]:
+            wanted = languages(fn)
+            if wanted <= running[-1]:
                 return scope_class()
+            # Triton never restores what a helper's call patched: from here on, for the
+            # rest of this launch, those modules are patched too.
+            running[-1] |= wanted
             return patch_lang(fn)
         scope = patch_lang(fn)  # a launch: patched until its restore()
         running.append(languages(fn))

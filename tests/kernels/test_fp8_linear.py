@@ -57,18 +57,21 @@ def test_fp8_gemv_whole_k_in_one_step(m):
 
 
 def test_fp8_gemv_bit_decode_covers_every_code():
-    # All 254 finite E4M3 codes (subnormals, zero, both signs) in one row: the integer
-    # decode must equal the format's value for each, not only for typical weights.
+    # All 254 finite E4M3 codes (subnormals, zero, both signs) at each of the 16 byte
+    # places of a VEC load: the integer decode must equal the format's value for each, not
+    # only for typical weights. Row n holds code (n + k) % 254 at column k, so the rows of
+    # x, one-hot on columns 0..7 and then 8..15, read every code at every place.
     codes = torch.arange(256, dtype=torch.int32).to(torch.uint8)
-    finite = codes[(codes & 0x7F) != 0x7F]
-    q = finite.view(torch.float8_e4m3fn).repeat(16)[None, :].repeat(2, 1)  # [2, 4064]
-    q = q[:, :4064].contiguous().to(DEVICE)
-    s = torch.full((1, 32), 0.5, dtype=torch.float32, device=DEVICE)
-    x = torch.eye(4064, dtype=torch.bfloat16, device=DEVICE)[:8]  # picks columns 0..7
-    for col in range(0, 254, 8):
-        xc = torch.roll(x, shifts=col, dims=1)
-        y = fp8_block_linear(xc, q, s, config=_gemv(16, 128, 1, True))
-        assert torch.equal(y.float(), fp8_block_linear_reference(xc, q, s).float()), col
+    finite = codes[(codes & 0x7F) != 0x7F]  # [254]
+    n, k = len(finite), 128
+    place = (torch.arange(n)[:, None] + torch.arange(k)[None, :]) % n  # [254, 128]
+    q = finite[place].view(torch.float8_e4m3fn).contiguous().to(DEVICE)  # [254, 128]
+    s = torch.full((2, 1), 0.5, dtype=torch.float32, device=DEVICE)
+    for first in (0, 8):
+        x = torch.eye(k, dtype=torch.bfloat16, device=DEVICE)[first : first + 8]
+        y = fp8_block_linear(x, q, s, config=_gemv(16, 128, 1, True))
+        assert torch.equal(y.float(), fp8_block_linear_reference(x, q, s).float()), first
+        assert torch.equal(y.float().cpu(), (q.float().cpu() * 0.5).T[first : first + 8])
 
 
 def test_fp8_gemv_split_k_one_launch_is_deterministic_and_resets_counters():
