@@ -16,7 +16,10 @@ Given a spill directory, a job with groups (auto or a column) is planned cluster
 cluster instead: rows are spilled to one bucket file per group, and once the input is read
 the buckets are fed largest first, each in windows of `plan_window` rows sorted by length.
 A running batch then holds one task for as long as its cluster lasts, and memory stays
-bounded by the window whatever the input size.
+bounded by the window whatever the input size. When the first group is known before the
+input is read (auto: the largest cluster), its rows are not spilled but fed as their
+windows fill, so generation starts while the rest of the input is still being read,
+rendered and spilled into the other buckets.
 """
 
 from __future__ import annotations
@@ -59,6 +62,11 @@ class ClusterLabels:
     def names(self) -> dict[int, str]:
         return {v: k for k, v in self.ids.items()}
 
+    def largest_group(self) -> int | None:
+        """Labels get ids as they are first seen: no size is known before the input is
+        read, so no group can be fed before the others."""
+        return None
+
     def _save(self) -> None:
         if self.path is None:
             return
@@ -87,13 +95,17 @@ def _window_order(row: PreparedRow) -> tuple[int, int]:
 
 
 def plan_rows(
-    rows: Iterable[PreparedRow], spec: BatchingSpec, spill_dir: Path | None = None
+    rows: Iterable[PreparedRow],
+    spec: BatchingSpec,
+    spill_dir: Path | None = None,
+    first_group: int | None = None,
 ) -> Iterator[PreparedRow]:
     """Yield rows in planned order. Rows with an error are passed on at once (they never
     reach the engine); the rest are ordered inside windows of `spec.plan_window` rows, or,
-    with a spill_dir and a clustered mode, cluster by cluster (see the module doc)."""
+    with a spill_dir and a clustered mode, cluster by cluster, `first_group` (if given)
+    first and fed while the input is read (see the module doc)."""
     if spill_dir is not None and cluster_mode(spec) != "off":
-        yield from plan_by_cluster(rows, spec, spill_dir)
+        yield from plan_by_cluster(rows, spec, spill_dir, first_group)
         return
     window: list[PreparedRow] = []
     for row in rows:
@@ -107,6 +119,11 @@ def plan_rows(
             window = []
     window.sort(key=_window_order)
     yield from window
+
+
+def _longest_first(window: list[PreparedRow]) -> list[PreparedRow]:
+    window.sort(key=lambda r: -r.num_prompt_tokens)
+    return window
 
 
 class ClusterBuckets:
@@ -153,22 +170,32 @@ class ClusterBuckets:
                         break
                     while len(window) >= window_rows:
                         head, window = window[:window_rows], window[window_rows:]
-                        head.sort(key=lambda r: -r.num_prompt_tokens)
-                        yield from head
-            window.sort(key=lambda r: -r.num_prompt_tokens)
-            yield from window
+                        yield from _longest_first(head)
+            yield from _longest_first(window)
             path.unlink()
         shutil.rmtree(self.directory, ignore_errors=True)
 
 
 def plan_by_cluster(
-    rows: Iterable[PreparedRow], spec: BatchingSpec, spill_dir: Path
+    rows: Iterable[PreparedRow],
+    spec: BatchingSpec,
+    spill_dir: Path,
+    first_group: int | None = None,
 ) -> Iterator[PreparedRow]:
-    """Cluster-by-cluster order: spill every row to its group's bucket, then drain."""
+    """Cluster-by-cluster order: spill every row to its group's bucket, then drain. Rows of
+    `first_group` skip the spill: each window of them goes out as soon as it is full, in
+    the order the drain would have given them."""
     buckets = ClusterBuckets(spill_dir)
+    window: list[PreparedRow] = []
     for row in rows:
         if row.error is not None:
             yield row
-            continue
-        buckets.add(row)
+        elif first_group is not None and row.group == first_group:
+            window.append(row)
+            if len(window) >= spec.plan_window:
+                yield from _longest_first(window)
+                window = []
+        else:
+            buckets.add(row)
+    yield from _longest_first(window)
     yield from buckets.drain(spec.plan_window)

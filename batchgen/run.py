@@ -164,7 +164,12 @@ class _Loop:
         self.gave_up: str | None = None  # why the engine was given up on
         self.feed = RequestFeed(
             self.job,
-            plan_rows(self._prepared(), self.job.batching, spill_dir),
+            plan_rows(
+                self._prepared(),
+                self.job.batching,
+                spill_dir,
+                first_group=labels.largest_group() if labels is not None else None,
+            ),
             on_error_row=self._on_error_row,
             should_stop=lambda: self.stop.requested or self.budget_exceeded,
         )

@@ -115,17 +115,22 @@ class TaskClusters:
         return {c.cluster_id: c.name for c in self.clusters}
 
     def cursor(self) -> AssignmentCursor:
-        return AssignmentCursor(self.assignments_path, self.names())
+        largest = max(self.clusters, key=lambda c: (c.size, -c.cluster_id), default=None)
+        return AssignmentCursor(
+            self.assignments_path, self.names(), None if largest is None else largest.cluster_id
+        )
 
 
 class AssignmentCursor:
     """Reads assignments in input order alongside the input rows, so the run loop gets each
     row's cluster with O(1) memory. Rows may be skipped (committed ones on resume), never
-    revisited. Has the interface of planner.ClusterLabels: assign(row), names()."""
+    revisited. Has the interface of planner.ClusterLabels: assign(row), names(),
+    largest_group()."""
 
-    def __init__(self, path: Path, names: dict[int, str]) -> None:
+    def __init__(self, path: Path, names: dict[int, str], largest: int | None = None) -> None:
         self.path = path
         self._names = names
+        self._largest = largest
         self._batches = pq.ParquetFile(path).iter_batches(columns=["id", "cluster_id"])
         self._ids: list = []
         self._clusters: list = []
@@ -134,6 +139,11 @@ class AssignmentCursor:
 
     def names(self) -> dict[int, str]:
         return dict(self._names)
+
+    def largest_group(self) -> int | None:
+        """The largest cluster (by the stored sizes): the planner feeds it first, while the
+        rest of the input is still being read."""
+        return self._largest
 
     def cluster_of(self, seq: int, row_id: str) -> int | None:
         if seq <= self._last:

@@ -55,3 +55,27 @@ def test_a_new_session_starts_from_an_empty_spill(tmp_path):
     (leftover / "group-0.pkl").write_bytes(b"from a killed session")
     planned = list(plan_rows(iter(_rows([0, 0, 1])), BatchingSpec(cluster="auto"), leftover))
     assert sorted(r.seq for r in planned) == [0, 1, 2]
+
+
+def test_the_first_group_is_fed_while_the_input_is_still_read(tmp_path):
+    groups = [2] * 30 + [0] * 10 + [1] * 45 + [None] * 5
+    random.Random(1).shuffle(groups)
+    rows = _rows(groups)
+    spec = BatchingSpec(cluster="auto", plan_window=8)
+    read = []
+
+    def reading():
+        for row in rows:
+            read.append(row.seq)
+            yield row
+
+    streamed = plan_rows(reading(), spec, tmp_path / "plan", first_group=1)
+    first = next(streamed)
+    assert first.group == 1 and len(read) < len(rows)  # fed before the input was read
+    planned = [first, *streamed]
+    spilled_only = list(plan_rows(iter(_rows(groups)), spec, tmp_path / "plan2"))
+    # The same order as spilling everything: group 1 is the largest here.
+    assert [r.seq for r in planned] == [r.seq for r in spilled_only]
+    # Named first even when it is not the largest: then the others, largest first.
+    order = [r.group for r in plan_rows(iter(_rows(groups)), spec, tmp_path / "p3", 0)]
+    assert order == [0] * 10 + [1] * 45 + [2] * 30 + [None] * 5

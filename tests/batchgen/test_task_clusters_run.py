@@ -21,14 +21,18 @@ class RecordingLLM(FakeLLM):
     """FakeLLM that remembers the order and group of every request it pulled, and can stop
     like a second Ctrl-C after `stop_after` outputs."""
 
-    def __init__(self, stop_after: int | None = None):
+    def __init__(self, stop_after: int | None = None, spill_dir=None):
         super().__init__()
         self.seen: list[tuple[str, int | None, int]] = []  # (seq, group, prompt tokens)
         self.stop_after = stop_after
+        self.spill_dir = spill_dir
+        self.spilled_at_first: list[str] | None = None  # the planner's buckets by then
 
     def stream(self, requests):
         def recorded():
             for req in requests:
+                if not self.seen and self.spill_dir is not None:
+                    self.spilled_at_first = sorted(p.name for p in self.spill_dir.glob("*"))
                 self.seen.append((req.request_id.split(":")[0], req.group, len(req.prompt)))
                 yield req
 
@@ -56,7 +60,7 @@ def test_auto_feeds_cluster_by_cluster_and_resumes_without_embedding(make_job, t
     rows = mixed_task_rows(per_task=20, tasks=4)  # 80 prompts, 4 tasks, interleaved
     job, path = _job(make_job, rows)
     caplog.set_level(logging.INFO, logger="batchgen.task_clusters")
-    first = RecordingLLM(stop_after=30)
+    first = RecordingLLM(stop_after=30, spill_dir=tmp_path / "run" / "plan")
     assert _run(job, path, first).exit_code == EXIT_INTERRUPTED
     assert "embedded 80 texts" in caplog.text
 
@@ -69,6 +73,10 @@ def test_auto_feeds_cluster_by_cluster_and_resumes_without_embedding(make_job, t
     runs = [g for i, g in enumerate(groups) if i == 0 or g != groups[i - 1]]
     assert len(runs) == len(set(runs))
     assert groups[0] == sizes["cluster_id"][0]
+    # The largest cluster is fed as the input is read, not spilled first: when the engine
+    # took its first request, it had no bucket (spilling everything flushes every bucket
+    # to its file before the first row goes out).
+    assert f"group-{groups[0]}.pkl" not in first.spilled_at_first
     # Inside each planner window of 16 rows of one cluster: longest prompt first.
     first_window = [n for _, _, n in first.seen[:16]]
     assert first_window == sorted(first_window, reverse=True)
