@@ -154,6 +154,10 @@ class Progress:
 
     def finish(self, stats: RunStats) -> None:
         self.update(stats, force=True)
+        self.close()
+
+    def close(self) -> None:
+        """Stop the terminal display (the last frame stays on screen)."""
         if self._live is not None:
             self._live.stop()
             self._live = None

@@ -96,9 +96,19 @@ def cluster_cmd(job_file, out, k, min_cluster_size, embedding_model, work_dir) -
             "min_cluster_size": min_cluster_size or settings.min_cluster_size,
             "embedding_model": embedding_model or settings.embedding_model,
         }
-        result = build_task_clusters(
-            prompt_texts(job, ctx.input.rows()), work, replace(settings, **overrides)
-        )
+        from batchgen.progress import Progress
+
+        progress = Progress(None)  # a bar on a terminal, else JSON lines on stderr
+        try:
+            result = build_task_clusters(
+                prompt_texts(job, ctx.input.rows()),
+                work,
+                replace(settings, **overrides),
+                on_progress=progress.phase,
+                total_rows=ctx.total_rows,
+            )
+        finally:
+            progress.close()
     out_path.parent.mkdir(parents=True, exist_ok=True)
     shutil.copyfile(result.assignments_path, out_path)
     print_clusters(result)

@@ -32,6 +32,7 @@ def test_cluster_command_writes_assignments_and_prints_the_table(make_job, tmp_p
     for name in frame["cluster_name"].unique().to_list():
         assert name.split(" / ")[0] in result.output
     assert "embedded 72 texts" in caplog.text
+    assert '"phase": "embedding", "rows_embedded": 72, "rows_total": 72' in result.stderr
 
     caplog.clear()
     again = runner.invoke(main, args, catch_exceptions=False)

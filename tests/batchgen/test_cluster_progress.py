@@ -95,7 +95,7 @@ def test_a_terminal_gets_a_bar_for_the_embedding_phase():
     progress.phase("embedding", 0, 400)
     time.sleep(0.3)  # the display redraws a few times a second
     progress.phase("embedding", 100, 400)
-    progress._live.stop()
+    progress.close()
     shown = stream.getvalue()
     assert "embedding" in shown and "100 / 400 rows" in shown and "ETA" in shown
     assert "━" in shown  # the bar
