@@ -59,21 +59,30 @@ def paged_attention(
     group = H // Hk
     flat = cache.view(-1, *cache.shape[2:])
     slots = gather_context_slots(ctx, q.device)  # [B, L]
+    if q.device.type == "cpu":  # gathered at the padded length: no copy to pad it later
+        extra = batch_invariant.padded_keys(slots.shape[1]) - slots.shape[1]
+        slots = torch.cat((slots, slots.new_zeros(slots.shape[0], extra)), dim=1)
     kv = flat[slots]  # [B, L, 2, Hk, Dh]
     L = slots.shape[1]
-    k = kv[:, :, 0].transpose(1, 2).reshape(B * Hk, L, Dh)
-    v = kv[:, :, 1].transpose(1, 2).reshape(B * Hk, L, Dh)
+    kv = kv.permute(2, 0, 3, 1, 4).contiguous()  # [2, B, Hk, L, Dh]: one copy for both
+    k = kv[0].view(B * Hk, L, Dh)
+    v = kv[1].view(B * Hk, L, Dh)
 
     qmax = max(ctx.query_lens_host)
     qpos = _query_positions(ctx, q.device)  # [B, Q]
-    starts = ctx.cu_query_lens.to(q.device).long()[:-1]
-    rows = starts[:, None] + (qpos - qpos[:, :1])  # [B, Q] row of each query in q
-    qb = q[rows.flatten()].view(B, qmax, Hk, group, Dh)
+    if ctx.is_decode:  # one query per sequence, in sequence order: no gather
+        qb = q.view(B, 1, Hk, group, Dh)
+    else:
+        starts = ctx.cu_query_lens.to(q.device).long()[:-1]
+        rows = starts[:, None] + (qpos - qpos[:, :1])  # [B, Q] row of each query in q
+        qb = q[rows.flatten()].view(B, qmax, Hk, group, Dh)
     qb = qb.permute(0, 2, 3, 1, 4).reshape(B * Hk, group * qmax, Dh)  # [S, G*Q, Dh]
     visible = torch.arange(L, device=q.device)[None, None, :] <= qpos[:, :, None]  # [B, Q, L]
     visible = visible[:, None, None].expand(B, Hk, group, qmax, L).reshape(B * Hk, -1, L)
     res = batch_invariant.attention(qb, k, v, visible, scale)  # [S, G*Q, Dh] float32
     res = res.view(B, Hk, group, qmax, Dh).permute(0, 3, 1, 2, 4).reshape(B, qmax, H, Dh)
+    if ctx.is_decode:
+        return res.view(T, H, Dh).to(q.dtype)
     qlens = torch.tensor(ctx.query_lens_host, device=q.device)
     real = torch.arange(qmax, device=q.device)[None, :] < qlens[:, None]  # [B, Q]
     return res[real].to(q.dtype)  # [T, H, Dh], sequences in order

@@ -137,6 +137,8 @@ def attend_absorbed_batched(
     N, R = dims.qk_nope_head_dim, dims.kv_lora_rank
     B, Q, H, _ = q.shape
     lmax = int(context_lens.max()) if max_context is None else max_context
+    if cache.device.type == "cpu":  # gathered at the padded length: no copy to pad it later
+        lmax = batch_invariant.padded_keys(lmax)
     entries = _context_entries(cache, block_tables, lmax)  # [B, L, R+P]
     q_nope = q[..., :N].float().permute(2, 0, 1, 3).reshape(H, B * Q, N)
     q_lat = batch_invariant.batched_matmul(q_nope, kv_b_weight[:, :N].contiguous())  # [H, BQ, R]
@@ -162,7 +164,12 @@ def _context_entries(
 ) -> torch.Tensor:
     """[c | k_rope] of tokens 0..length-1 of each sequence as [B, length, R+P] in dtype."""
     flat = cache.view(-1, cache.shape[-1])
-    return flat[context_slots(block_tables, length, cache.shape[1])].to(dtype)
+    bs = cache.shape[1]
+    covered = block_tables.shape[-1] * bs
+    if length > covered:  # positions past the table read block 0: finite, never visible
+        pad = block_tables.new_zeros(*block_tables.shape[:-1], -(-(length - covered) // bs))
+        block_tables = torch.cat((block_tables, pad), dim=-1)
+    return flat[context_slots(block_tables, length, bs)].to(dtype)
 
 
 def expanded_groups(

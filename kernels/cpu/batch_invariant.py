@@ -42,6 +42,12 @@ def invariant_rows(m: int) -> int:
     return max(ROW_MULTIPLE, -(-m // ROW_MULTIPLE) * ROW_MULTIPLE)
 
 
+def padded_keys(length: int) -> int:
+    """The key count `attention` pads a context of `length` keys to. Callers that gather
+    keys can gather this many (extra slots pointing anywhere finite) and save the copy."""
+    return max(1, -(-length // KEY_BLOCK)) * KEY_BLOCK
+
+
 def _pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
     extra = size - x.shape[dim]
     if extra <= 0:
@@ -94,8 +100,8 @@ def attention(
         return torch.bmm(probs, v.float())
     S, M, _ = q.shape
     L, E = k.shape[1], v.shape[2]
-    blocks = max(1, -(-L // KEY_BLOCK))
-    Lp = blocks * KEY_BLOCK
+    Lp = padded_keys(L)
+    blocks = Lp // KEY_BLOCK
     q = q.float()
     k = _pad_dim(k.float(), 1, Lp)
     v = _pad_dim(v.float(), 1, Lp)
