@@ -112,6 +112,9 @@ class BatchingSpec(_Section):
     plan_window: int = Field(
         512, ge=1, description="rows sorted together by prompt length (bounds memory)"
     )
+    batch_invariant: bool = Field(
+        True, description="a row's output independent of its batch (CPU); false: faster"
+    )
 
 
 class OutputSpec(_Section):
@@ -148,6 +151,8 @@ class JobSpec(_Section):
             "model.max_model_len": self.model.max_model_len,
             "sampling": self.sampling.model_dump(),
             "output.carry_columns": self.output.carry_columns,
+            # only when off, so that jobs from before the switch keep their fingerprint
+            **({} if self.batching.batch_invariant else {"batching.batch_invariant": False}),
         }
 
     @property

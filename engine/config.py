@@ -76,6 +76,9 @@ class EngineConfig:
     # fewer per layer (engine/backends/cuda.py mla_decode_with_input_norm): ~1% more
     # batch-1 tok/s, FP8 + MXFP4 on the H200 (docs/notes-gpu-engine.md).
     fold_input_norm: bool = True
+    # CPU: attention (and MLA's form choice) whose result for a row does not depend on
+    # the rest of its step (docs/batch-invariance.md). False takes the fused forms.
+    batch_invariant: bool = True
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:

@@ -35,7 +35,9 @@ class LLM:
     prefill and admits waiting requests in groups of at least `min_prefill_seqs` (default:
     on where decode steps replay CUDA graphs, groups of max_num_seqs / 2).
     `fold_input_norm` computes a DeepSeek layer's input RMSNorm inside its FP8 q/kv_a GEMV
-    in small decode steps on a GPU (default on).
+    in small decode steps on a GPU (default on). `batch_invariant` (default on) makes a
+    row's CPU arithmetic independent of its batch, chunking and preemptions; False takes
+    faster fused attention forms (docs/batch-invariance.md).
     """
 
     def __init__(
@@ -59,6 +61,7 @@ class LLM:
         separate_prefill: bool | None = None,
         min_prefill_seqs: int | None = None,
         fold_input_norm: bool = True,
+        batch_invariant: bool = True,
     ) -> None:
         self.config = EngineConfig(
             model=str(model),
@@ -80,6 +83,7 @@ class LLM:
             separate_prefill=separate_prefill,
             min_prefill_seqs=min_prefill_seqs,
             fold_input_norm=fold_input_norm,
+            batch_invariant=batch_invariant,
         )
         self.engine = LLMEngine(self.config)
         self.model_name = str(model)

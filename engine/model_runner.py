@@ -158,6 +158,7 @@ class ModelRunner:
             query_lens_host=qlens,
             context_lens_host=clens,
             is_decode=all(n == 1 for n in qlens),
+            batch_invariant=self.config.batch_invariant,
         )
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)

@@ -23,6 +23,9 @@ class AttentionContext:
     query_lens_host: list[int]  # same as the diff of cu_query_lens, on the host (no sync)
     context_lens_host: list[int]
     is_decode: bool  # every sequence has exactly one new token
+    # Attention whose result for a query does not depend on the step's other queries, its
+    # chunking or padding (docs/batch-invariance.md); False takes faster fused forms.
+    batch_invariant: bool = True
     # Derived tensors every layer needs alike, computed on first use and shared by all
     # layers of the step (a decoder has tens of layers; recomputing them per layer costs
     # more than the attention itself at small batch).

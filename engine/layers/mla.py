@@ -298,9 +298,10 @@ class MultiLatentAttention(nn.Module):
         def expanded(b: int) -> bool:
             if self.mode != "auto":
                 return self.mode == "expanded"
-            # The CPU takes the absorbed form for every query: a query's result is then the
-            # same in a prefill chunk of any size as in a decode step (batch invariance).
-            return q.is_cuda and d.prefer_expanded(q_lens[b], c_lens[b])
+            # Batch-invariant, the CPU takes the absorbed form for every query: a query's
+            # result is then the same in a prefill chunk of any size as in a decode step.
+            invariant = ctx.batch_invariant and not q.is_cuda
+            return not invariant and d.prefer_expanded(q_lens[b], c_lens[b])
 
         def indices(seqs: list[int]) -> tuple[torch.Tensor, ...]:
             # The index tensors are built on the host by a few vectorized ops and sent in

@@ -41,6 +41,7 @@ FIELDS = [
     ("batching", "max_num_seqs", int),
     ("batching", "max_num_batched_tokens", int),
     ("batching", "plan_window", int),
+    ("batching", "batch_invariant", bool),
     ("output", "rows_per_part", int),
     ("errors", "budget", float),
 ]

@@ -143,3 +143,15 @@ def test_logits_are_the_same_bits_whatever_computed_them(models, family, dtype):
     assert torch.equal(again[len(prompt) - 1], want[0])
     for i in range(len(decoded) - 1):
         assert torch.equal(again[len(prompt) + i], want[i + 1])
+
+
+@pytest.mark.parametrize("family", ["llama", "deepseek"])
+def test_batch_invariant_off_takes_the_fused_forms_with_the_same_greedy_tokens(models, family):
+    path = str(models[family])
+    prompts = [p for p, _ in _targets(200)]
+    greedy = SamplingParams(temperature=0.0, max_tokens=12, ignore_eos=True)
+    on = LLM(path, device="cpu")
+    off = LLM(path, device="cpu", batch_invariant=False)
+    assert off.engine.runner.config.batch_invariant is False
+    tokens = [[o.outputs[0].token_ids for o in llm.generate(prompts, greedy)] for llm in (on, off)]
+    assert tokens[0] == tokens[1]
