@@ -149,6 +149,7 @@ def bench_decode(
     hf_batches: list[int],
     new_tokens: int,
     threads: int | None,
+    batch_invariant: bool = True,
 ) -> dict:
     from engine import LLM
     from engine.loader import open_model_source
@@ -157,7 +158,13 @@ def bench_decode(
         torch.set_num_threads(threads)
     log(f"loading {model} into batchgen (device={device}, dtype={dtype})")
     start = time.perf_counter()
-    llm = LLM(model, device=device, dtype=dtype, max_num_seqs=max(batches + [1]))
+    llm = LLM(
+        model,
+        device=device,
+        dtype=dtype,
+        max_num_seqs=max(batches + [1]),
+        batch_invariant=batch_invariant,
+    )
     load_s = time.perf_counter() - start
     if llm.tokenizer is None:
         raise click.ClickException(f"{model} has no tokenizer; the benchmark renders text prompts")
@@ -198,6 +205,7 @@ def bench_decode(
         "weight_formats": formats,
         "lm_head": head_desc,
         "load_s": round(load_s, 2),
+        "batch_invariant": batch_invariant,
         "results": rows,
     }
 
@@ -227,11 +235,26 @@ def print_table(payload: dict) -> None:
 )
 @click.option("--new-tokens", type=int, default=128, show_default=True)
 @click.option("--threads", type=int, default=None, help="torch threads (default: torch's).")
+@click.option(
+    "--batch-invariant/--no-batch-invariant",
+    default=True,
+    show_default=True,
+    help="Our engine's batch-invariant arithmetic (docs/batch-invariance.md).",
+)
 @click.option("--name", default=None, help="JSON name (default decode-<device>-<model>).")
-def command(model, device, dtype, batches, hf_batches, new_tokens, threads, name) -> None:
+def command(
+    model, device, dtype, batches, hf_batches, new_tokens, threads, batch_invariant, name
+) -> None:
     """Decode throughput of a dense model: our engine vs transformers' generate."""
     payload = bench_decode(
-        model, device, dtype, _int_list(batches), _int_list(hf_batches), new_tokens, threads
+        model,
+        device,
+        dtype,
+        _int_list(batches),
+        _int_list(hf_batches),
+        new_tokens,
+        threads,
+        batch_invariant,
     )
     print_table(payload)
     path = write_result(name or default_name(model, device), payload)
