@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -24,6 +24,49 @@ _DTYPES = {
 FP8_NATIVE_MIN_TOKENS = 64
 
 
+@dataclass(frozen=True)
+class CudaTuning:
+    """How the CUDA backend runs the model: choices that change speed, not what a row
+    means (each default is the measured winner on the H200, docs/notes-gpu-engine.md).
+    The CPU ignores them. Passed whole to the backend when the model is prepared."""
+
+    # GPUs with FP8 tensor cores (compute capability 8.9+): dense FP8 linears of steps with
+    # at least this many tokens quantize their activations to E4M3 per token per 128 (as
+    # DeepSeek's own inference does everywhere) and multiply FP8 x FP8. None: never; the
+    # activations stay bf16 and the weights are decoded to bf16 (exact against them). A
+    # decode step replayed from a CUDA graph counts its bucket's padded batch.
+    fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS
+    # In steps of up to 64 tokens (where the fused MoE launches add the shared expert;
+    # engine/backends/cuda/moe.py SHARED_FUSED_MAX_TOKENS) the shared expert runs on a
+    # second stream, concurrently with the routed experts. False: one stream.
+    shared_expert_stream: bool = True
+    # Decode graphs of up to 16 sequences (cuda_graph_runner.MAIN_STREAM_FIRST_MAX_BATCH)
+    # are captured on a high-priority stream. Graph kernel nodes keep the priority of the
+    # stream they were captured on, so when the main chain's kernels (attention, routing,
+    # routed experts) and the shared expert's (default priority, on its side stream) both
+    # wait for room on an SM, the main chain's blocks go first. False: equal priorities.
+    main_stream_first: bool = True
+    # MLA's expanded form (prefill) computes keys, values and attention in the model's
+    # dtype (bf16 tensor cores, flash attention with a float32 softmax, as transformers'
+    # bf16 model does): Moonlight-shape logits within bf16 tolerance and prefill ~13%
+    # faster than float32 on the H200. True: in float32. A float32 model computes float32
+    # either way.
+    mla_expanded_float32: bool = False
+    # DeepSeek models: decode steps whose stacked q/kv_a runs the FP8 GEMV (1-8 tokens by
+    # the H200's table) compute the layer's input RMSNorm inside it, one launch fewer per
+    # layer: ~1% more batch-1 tok/s, FP8 + MXFP4 on the H200.
+    fold_input_norm: bool = True
+
+    def __post_init__(self) -> None:
+        if self.fp8_native_min_tokens is not None and self.fp8_native_min_tokens < 1:
+            raise ValueError(
+                f"fp8_native_min_tokens must be >= 1 or None, got {self.fp8_native_min_tokens}"
+            )
+
+
+CUDA_TUNING_FIELDS = frozenset(f.name for f in fields(CudaTuning))
+
+
 @dataclass
 class EngineConfig:
     model: str
@@ -41,44 +84,26 @@ class EngineConfig:
     # overlaps the GPU's (engine/pending_step.py). None: on when decode steps replay CUDA
     # graphs. A sequence that stops on a token computes one extra row, which is dropped.
     async_scheduling: bool | None = None
-    # GPUs with FP8 tensor cores (compute capability 8.9+): dense FP8 linears of steps with
-    # at least this many tokens quantize their activations to E4M3 per token per 128 (as
-    # DeepSeek's own inference does everywhere) and multiply FP8 x FP8. None: never; the
-    # activations stay bf16 and the weights are decoded to bf16 (exact against them). A
-    # decode step replayed from a CUDA graph counts its bucket's padded batch.
-    fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS
-    # CUDA: in steps of up to 64 tokens (where the fused MoE launches add the shared
-    # expert; backends/cuda.py SHARED_FUSED_MAX_TOKENS) the shared expert runs on a second
-    # stream, concurrently with the routed experts (fused_moe's shared_stream). False: one
-    # stream.
-    shared_expert_stream: bool = True
-    # CUDA: decode graphs are captured on a high-priority stream. Graph kernel nodes keep
-    # the priority of the stream they were captured on (PyTorch instantiates graphs with
-    # node priorities), so when the main chain's kernels (attention, routing, routed
-    # experts) and the shared expert's (default priority, on its side stream) both wait
-    # for room on an SM, the main chain's blocks go first. Buckets of up to 16 sequences
-    # (cuda_graph_runner.MAIN_STREAM_FIRST_MAX_BATCH). False: equal priorities.
-    main_stream_first: bool = True
-    # CUDA: MLA's expanded form (prefill) computes keys, values and attention in the
-    # model's dtype (bf16 tensor cores, flash attention with a float32 softmax, as
-    # transformers' bf16 model does), with Moonlight-shape logits within bf16 tolerance and
-    # prefill ~13% faster than float32 on the H200 (docs/notes-gpu-engine.md). True: in
-    # float32 (sm80 float32 GEMMs and attention there). A float32 model (and the CPU)
-    # computes float32 either way.
-    mla_expanded_float32: bool = False
     # Steps all decode or all prefill, waiting sequences admitted in groups of at least
     # min_prefill_seqs (engine/scheduler.py). None: on where decode steps replay CUDA graphs,
     # which a step mixing in a prefill chunk cannot; min_prefill_seqs None: max_num_seqs / 2.
     separate_prefill: bool | None = None
     min_prefill_seqs: int | None = None
-    # CUDA, DeepSeek models: decode steps whose stacked q/kv_a runs the FP8 GEMV (1-8
-    # tokens by the H200's table) compute the layer's input RMSNorm inside it, one launch
-    # fewer per layer (engine/backends/cuda.py mla_decode_with_input_norm): ~1% more
-    # batch-1 tok/s, FP8 + MXFP4 on the H200 (docs/notes-gpu-engine.md).
-    fold_input_norm: bool = True
     # CPU: attention (and MLA's form choice) whose result for a row does not depend on
     # the rest of its step (docs/batch-invariance.md). False takes the fused forms.
     batch_invariant: bool = True
+    cuda: CudaTuning = field(default_factory=CudaTuning)
+
+    @classmethod
+    def from_options(cls, model: str, **options) -> EngineConfig:
+        """EngineConfig from one flat set of keyword options (what `LLM(model, **options)`
+        takes): CudaTuning's names go into `cuda`, the rest are EngineConfig's own."""
+        own = {f.name for f in fields(cls)} - {"model", "cuda"}
+        unknown = sorted(set(options) - own - CUDA_TUNING_FIELDS)
+        if unknown:
+            raise TypeError(f"unknown engine option(s): {', '.join(unknown)}")
+        tuning = {k: options.pop(k) for k in list(options) if k in CUDA_TUNING_FIELDS}
+        return cls(model=str(model), cuda=CudaTuning(**tuning), **options)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -93,10 +118,6 @@ class EngineConfig:
             raise ValueError(
                 "async_scheduling does not combine with speculative_tokens: a speculative "
                 "step needs its drafts' outcome before the next one is scheduled"
-            )
-        if self.fp8_native_min_tokens is not None and self.fp8_native_min_tokens < 1:
-            raise ValueError(
-                f"fp8_native_min_tokens must be >= 1 or None, got {self.fp8_native_min_tokens}"
             )
         if self.min_prefill_seqs is not None and self.min_prefill_seqs < 1:
             raise ValueError(f"min_prefill_seqs must be >= 1 or None, got {self.min_prefill_seqs}")

@@ -39,7 +39,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
-# Buckets whose graphs are captured on a high-priority stream (EngineConfig.main_stream_first):
+# Buckets whose graphs are captured on a high-priority stream (CudaTuning.main_stream_first):
 # on the H200 it speeds batch 1 up (+6.5% bf16, +2% FP8 + MXFP4) and slows batch 32 down by
 # 1-2%, where the routed kernels fill the GPU and the shared expert is the one kept waiting
 # (docs/notes-gpu-engine.md).
@@ -251,7 +251,7 @@ class CudaGraphRunner:
         start = time.perf_counter()
         self.inputs.fill([], self.buckets[-1])  # every row padding: valid, harmless inputs
         pool = None
-        # EngineConfig.main_stream_first: the kernels captured on the high-priority stream
+        # CudaTuning.main_stream_first: the kernels captured on the high-priority stream
         # keep its priority, those on the shared expert's side stream the default; only
         # buckets up to MAIN_STREAM_FIRST_MAX_BATCH use it
         device = self.runner.device
@@ -261,7 +261,7 @@ class CudaGraphRunner:
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
             prioritized = (
-                self.runner.config.main_stream_first and bucket <= MAIN_STREAM_FIRST_MAX_BATCH
+                self.runner.config.cuda.main_stream_first and bucket <= MAIN_STREAM_FIRST_MAX_BATCH
             )
             with torch.cuda.graph(graph, pool=pool, stream=first if prioritized else equal):
                 self.tokens[bucket] = self._step(bucket)

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
 
-from engine.config import FP8_NATIVE_MIN_TOKENS, EngineConfig
+from engine.config import EngineConfig
 from engine.llm_engine import LLMEngine
 from engine.outputs import Request, RequestOutput
 from engine.sampling_params import SamplingParams
@@ -19,72 +19,17 @@ class LLM:
         outs = llm.generate(["Translate into French: good morning"], SamplingParams(max_tokens=32))
         outs[0].outputs[0].text
 
-    `model` is an alias, a Hugging Face directory or a GGUF file. `device` "auto" takes
-    the GPU when there is one; `dtype` "auto" is float32 on the CPU and bfloat16 on a GPU
-    (quantized weights stay in their stored format either way). `speculative_tokens` K
-    turns on multi-token-prediction drafts (models whose checkpoint has an MTP layer).
-    `async_scheduling` launches each decode step before the previous one's tokens are
-    read, hiding the host's work behind the GPU's (default: on where decode steps replay
-    CUDA graphs). `fp8_native_min_tokens` N lets dense FP8 linears of steps of >= N tokens
-    quantize activations to FP8 on GPUs that multiply FP8 natively (default 64; None:
-    never). `shared_expert_stream` runs a MoE layer's shared expert on a second CUDA
-    stream, concurrently with its routed experts, in steps of up to 64 tokens (default on);
-    `main_stream_first` gives small decode graphs' main stream the higher priority.
-    `mla_expanded_float32` True computes MLA's prefill attention in float32 on a GPU
-    (default: in the model's dtype). `separate_prefill` keeps every step all decode or all
-    prefill and admits waiting requests in groups of at least `min_prefill_seqs` (default:
-    on where decode steps replay CUDA graphs, groups of max_num_seqs / 2).
-    `fold_input_norm` computes a DeepSeek layer's input RMSNorm inside its FP8 q/kv_a GEMV
-    in small decode steps on a GPU (default on). `batch_invariant` (default on) makes a
-    row's CPU arithmetic independent of its batch, chunking and preemptions; False takes
-    faster fused attention forms (docs/batch-invariance.md).
+    `model` is an alias, a Hugging Face directory or a GGUF file. `options` are the
+    fields of `EngineConfig` (device, dtype, batch limits, KV memory, seed, speculative
+    decoding, scheduling, batch invariance) and of `CudaTuning` (the CUDA backend's speed
+    choices), each documented where it is declared in engine/config.py. `device` "auto"
+    takes the GPU when there is one; `dtype` "auto" is float32 on the CPU and bfloat16 on
+    a GPU (quantized weights stay in their stored format either way). An unknown option
+    is a TypeError naming it.
     """
 
-    def __init__(
-        self,
-        model: str,
-        device: str = "auto",
-        dtype: str = "auto",
-        max_num_seqs: int = 64,
-        max_num_batched_tokens: int = 2048,
-        kv_cache_memory: int | None = None,
-        seed: int = 0,
-        block_size: int = 16,
-        max_model_len: int | None = None,
-        record_routing: bool = False,
-        speculative_tokens: int = 0,
-        async_scheduling: bool | None = None,
-        fp8_native_min_tokens: int | None = FP8_NATIVE_MIN_TOKENS,
-        shared_expert_stream: bool = True,
-        main_stream_first: bool = True,
-        mla_expanded_float32: bool = False,
-        separate_prefill: bool | None = None,
-        min_prefill_seqs: int | None = None,
-        fold_input_norm: bool = True,
-        batch_invariant: bool = True,
-    ) -> None:
-        self.config = EngineConfig(
-            model=str(model),
-            device=device,
-            dtype=dtype,
-            max_num_seqs=max_num_seqs,
-            max_num_batched_tokens=max_num_batched_tokens,
-            block_size=block_size,
-            kv_cache_memory=kv_cache_memory,
-            max_model_len=max_model_len,
-            seed=seed,
-            record_routing=record_routing,
-            speculative_tokens=speculative_tokens,
-            async_scheduling=async_scheduling,
-            fp8_native_min_tokens=fp8_native_min_tokens,
-            shared_expert_stream=shared_expert_stream,
-            main_stream_first=main_stream_first,
-            mla_expanded_float32=mla_expanded_float32,
-            separate_prefill=separate_prefill,
-            min_prefill_seqs=min_prefill_seqs,
-            fold_input_norm=fold_input_norm,
-            batch_invariant=batch_invariant,
-        )
+    def __init__(self, model: str, **options) -> None:
+        self.config = EngineConfig.from_options(model, **options)
         self.engine = LLMEngine(self.config)
         self.model_name = str(model)
 

@@ -44,9 +44,7 @@ class ModelRunner:
         if self.device.type == "cuda":  # GPU backend setup (engine/backends/cuda.py)
             from engine.backends.cuda import prepare_model
 
-            prepare_model(self.model, self.dtype, self.max_model_len,
-                          config.fp8_native_min_tokens, config.shared_expert_stream,
-                          config.mla_expanded_float32, config.fold_input_norm)  # fmt: skip
+            prepare_model(self.model, self.dtype, self.max_model_len, config.cuda)
         self.num_blocks = self._allocate_kv_cache()
         if self.device.type == "cuda" and not config.record_routing and self.speculator is None:
             # Decode steps replay CUDA graphs (engine/cuda_graph_runner.py); takes one block.

@@ -39,6 +39,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.config import CudaTuning
 from engine.layers.attention_context import AttentionContext
 from engine.layers.deepseek_router import RouterSpec, select_experts
 from engine.layers.linear import Linear
@@ -606,21 +607,16 @@ def absorbed_decode_torch(
 
 # -- the whole model --------------------------------------------------------------------
 def prepare_model(
-    model: CausalLM,
-    dtype: torch.dtype,
-    max_model_len: int,
-    fp8_native_min_tokens: int | None = None,
-    shared_expert_stream: bool = True,
-    mla_expanded_float32: bool = False,
-    fold_input_norm: bool = False,
+    model: CausalLM, dtype: torch.dtype, max_model_len: int, tuning: CudaTuning | None = None
 ) -> None:
-    """Once after loading, on CUDA: stacked expert views, MLA decode state, the token
-    count from which dense FP8 linears multiply in FP8 (EngineConfig.fp8_native_min_tokens;
-    only where the GPU has FP8 tensor cores), the stream the fused MoE layers run their
-    shared expert on (EngineConfig.shared_expert_stream; one for the whole model), and
-    the dtype of MLA's expanded form (EngineConfig.mla_expanded_float32), and whether
-    decode steps fold each layer's input RMSNorm into its q/kv_a GEMV
-    (EngineConfig.fold_input_norm)."""
+    """Once after loading, on CUDA: stacked expert views, MLA decode state and the
+    CudaTuning choices (native FP8 only where the GPU has FP8 tensor cores; one shared
+    expert stream for the whole model)."""
+    tuning = tuning or CudaTuning()
+    fp8_native_min_tokens = tuning.fp8_native_min_tokens
+    shared_expert_stream = tuning.shared_expert_stream
+    mla_expanded_float32 = tuning.mla_expanded_float32
+    fold_input_norm = tuning.fold_input_norm
     native = fp8_native_min_tokens if _has_fp8_tensor_cores() else None
     if fp8_native_min_tokens is not None and native is None:
         log.info("no FP8 tensor cores: dense FP8 linears decode their weights to bf16 always")

@@ -14,6 +14,7 @@ import pytest
 
 from engine.backends import cuda as backend
 from engine.checkpoint_maker import make_random_checkpoint
+from engine.config import CudaTuning
 from engine.layers.mla import MultiLatentAttention
 from engine.layers.moe import DeepseekMoE
 from tests.engine.deepseek_helpers import PagedRunner, load_engine_model, relative_error
@@ -192,7 +193,9 @@ def test_mla_prefill_in_the_model_dtype_is_prepared_and_close(tmp_path):
     prompts = [(0, torch.randint(0, 200, (9,), generator=gen).tolist()), (1, [4, 8, 15, 16])]
     logits = {}
     for in_float32 in (True, False):
-        backend.prepare_model(model, torch.bfloat16, 64, mla_expanded_float32=in_float32)
+        backend.prepare_model(
+            model, torch.bfloat16, 64, CudaTuning(mla_expanded_float32=in_float32)
+        )
         attns = [m for m in model.modules() if isinstance(m, MultiLatentAttention)]
         assert attns and all(
             a.expanded_dtype == (torch.float32 if in_float32 else torch.bfloat16) for a in attns
@@ -244,7 +247,7 @@ def test_fp8_linears_multiply_in_fp8_from_the_configured_token_count(tmp_path):
     make_random_checkpoint(tmp_path, preset="tiny", dense_dtype="fp8", seed=6, device="cpu",
                            mtp=False)  # fmt: skip
     model = _bf16_model(tmp_path)
-    backend.prepare_model(model, torch.bfloat16, 64, fp8_native_min_tokens=3)
+    backend.prepare_model(model, torch.bfloat16, 64, CudaTuning(fp8_native_min_tokens=3))
     fp8 = [
         m for m in model.modules() if isinstance(m, Linear) and isinstance(m.format, Fp8BlockFormat)
     ]
@@ -321,7 +324,7 @@ def test_input_norm_folded_into_the_fp8_q_kv_a_gemv(tmp_path, monkeypatch):
     make_random_checkpoint(tmp_path, preset="tiny", dense_dtype="fp8", seed=9, device="cpu",
                            mtp=False)  # fmt: skip
     model = _bf16_model(tmp_path)
-    backend.prepare_model(model, torch.bfloat16, 64, fold_input_norm=True)
+    backend.prepare_model(model, torch.bfloat16, 64, CudaTuning(fold_input_norm=True))
     layer = model.model.layers[1]
     attn, norm = layer.self_attn, layer.input_layernorm
     assert attn.cuda_state.fold_input_norm and attn.cuda_state.q_kv_a is not None
@@ -347,7 +350,7 @@ def test_input_norm_folded_into_the_fp8_q_kv_a_gemv(tmp_path, monkeypatch):
         assert relative_error(got.float(), want) < 1e-2
         assert relative_error(attn.kv_cache.float(), want_cache.float()) < 1e-2
         attn.kv_cache.copy_(cache)
-    backend.prepare_model(model, torch.bfloat16, 64)  # the default: no fold
+    backend.prepare_model(model, torch.bfloat16, 64, CudaTuning(fold_input_norm=False))
     ctx, positions = runner.context([(0, 1)])
     acc, residual = torch.randn(1, d, generator=gen), torch.randn(1, d, generator=gen).bfloat16()
     assert backend.mla_decode_with_input_norm(attn, norm, acc, residual, positions, ctx) is None
