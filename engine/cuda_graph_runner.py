@@ -30,7 +30,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
-from engine.layers.attention_context import AttentionContext
+from engine.ops.attention_context import AttentionContext
 from engine.sequence import PENDING_TOKEN, Sequence
 
 if TYPE_CHECKING:

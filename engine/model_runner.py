@@ -10,10 +10,10 @@ import psutil
 import torch
 
 from engine.config import EngineConfig
-from engine.layers.attention_context import AttentionContext
 from engine.loader import ModelSource, open_model_source
 from engine.models.base import CausalLM
 from engine.models.registry import model_class_for
+from engine.ops.attention_context import AttentionContext
 from engine.pending_step import PendingStep
 from engine.sampler import sample
 from engine.scheduler import ScheduledBatch

@@ -40,12 +40,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.config import CudaTuning
-from engine.layers.attention_context import AttentionContext
 from engine.layers.deepseek_router import RouterSpec, select_experts
 from engine.layers.linear import Linear
 from engine.layers.mla import MultiLatentAttention, context_slots
 from engine.layers.moe import DeepseekMoE, RoutedExperts, routed_experts_forward
 from engine.models.base import CausalLM
+from engine.ops.attention_context import AttentionContext
 from engine.quant.fp8_block import Fp8BlockFormat
 from engine.quant.unquantized import Unquantized
 from engine.spec_decode.mtp import MAX_DRAFTS

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-from engine.layers.attention_context import AttentionContext
+from engine.ops.attention_context import AttentionContext
 from kernels.cpu import batch_invariant
 
 

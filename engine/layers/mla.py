@@ -27,10 +27,10 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from engine.layers.attention_context import AttentionContext
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding
+from engine.ops.attention_context import AttentionContext
 from engine.quant.base import QuantConfig
 from kernels.cpu import batch_invariant
 

@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from engine.layers.attention_context import AttentionContext
+from engine.ops.attention_context import AttentionContext
 
 
 @dataclass(frozen=True)

@@ -26,7 +26,6 @@ from dataclasses import dataclass, fields
 import torch
 from torch import nn
 
-from engine.layers.attention_context import AttentionContext
 from engine.layers.decoder_layer import PreNormDecoderLayer
 from engine.layers.deepseek_router import RouterSpec
 from engine.layers.linear import Linear
@@ -41,6 +40,7 @@ from engine.models.weights import (
     raise_on_mismatch,
     run_after_loading_hooks,
 )
+from engine.ops.attention_context import AttentionContext
 from engine.quant.base import QuantConfig
 from engine.quant.deepseek_quant_config import DeepseekQuantConfig
 from kernels.cpu import batch_invariant

@@ -14,13 +14,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.attention import paged_attention, write_kv
-from engine.layers.attention_context import AttentionContext
 from engine.layers.decoder_layer import PreNormDecoderLayer
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters
 from engine.models.base import CacheSpec, CausalLM
 from engine.models.weights import load_strict
+from engine.ops.attention_context import AttentionContext
 from engine.quant.base import QuantConfig
 from kernels.cpu import batch_invariant
 

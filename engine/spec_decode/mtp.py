@@ -26,7 +26,7 @@ from dataclasses import dataclass
 
 import torch
 
-from engine.layers.attention_context import AttentionContext
+from engine.ops.attention_context import AttentionContext
 
 MAX_DRAFTS = 4
 

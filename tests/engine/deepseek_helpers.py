@@ -9,7 +9,7 @@ import math
 
 import torch
 
-from engine.layers.attention_context import AttentionContext
+from engine.ops.attention_context import AttentionContext
 
 TINY = dict(
     vocab_size=96,

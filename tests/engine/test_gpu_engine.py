@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from engine.checkpoint_maker import make_random_checkpoint
-from engine.layers.attention_context import AttentionContext
+from engine.ops.attention_context import AttentionContext
 from engine.sampling_params import SamplingParams
 from tests.engine.deepseek_helpers import PagedRunner, load_engine_model, relative_error
 
