@@ -23,7 +23,7 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
-from engine.loader.model_source import ModelSource
+from engine.loader.model_source import ModelSource, SourceFormat, register_format
 from engine.quant.gguf import BLOCK_TYPES, FLOAT_TYPES, GGUFQuantConfig
 from engine.quant.unquantized import NoQuant
 from engine.tokenizer import Tokenizer
@@ -231,3 +231,6 @@ def open_gguf_file(
         tokenizer_loader=lambda: Tokenizer.from_gguf(path),
         format="gguf",
     )
+
+
+register_format(SourceFormat(name="gguf", title="GGUF", opener=open_gguf_file, suffix=".gguf"))

@@ -1,9 +1,13 @@
 """A model on disk, opened: its config, weight formats, tokenizer and a weight stream.
 
-`open_model_source` accepts a catalog alias, a Hugging Face directory (config.json plus
-*.safetensors, tokenizer files optional) or a GGUF file (or a directory holding exactly
-one). Weights are streamed one tensor at a time under Hugging Face names; the model's
-`load_weights` copies each into place, so no checkpoint is ever held twice in memory.
+`open_model_source` accepts a catalog alias, a model directory or a model file, and hands
+the path to the format registered for it: a directory kind is known by a marker file in it
+(a Hugging Face directory by config.json), a file kind by its suffix (GGUF by .gguf; a
+directory holding exactly one such file opens that file). Each format's module registers
+its opener here (`register_format`); engine/loader/__init__.py imports the formats, so
+this module never imports them. Weights are streamed one tensor at a time under Hugging
+Face names; the model's `load_weights` copies each into place, so no checkpoint is ever
+held twice in memory.
 """
 
 from __future__ import annotations
@@ -47,6 +51,42 @@ class ModelSource:
         return int(value) if value is not None else None
 
 
+# (name the user gave, resolved path, dtype, device) -> ModelSource
+Opener = Callable[[str, Path, torch.dtype | None, str | torch.device | None], ModelSource]
+
+
+@dataclass(frozen=True)
+class SourceFormat:
+    """One on-disk format: a directory known by `marker` (a file inside it) or a file known
+    by `suffix` (lower case, with the dot). `title` names it in error messages."""
+
+    name: str
+    title: str
+    opener: Opener
+    marker: str | None = None
+    suffix: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.marker is None) == (self.suffix is None):
+            raise ValueError(f"format {self.name!r}: give exactly one of marker and suffix")
+
+
+_FORMATS: dict[str, SourceFormat] = {}
+
+
+def register_format(fmt: SourceFormat) -> None:
+    """Make a format openable by `open_model_source` (its module calls this on import)."""
+    _FORMATS[fmt.name] = fmt
+
+
+def _directory_formats() -> list[SourceFormat]:
+    return [f for f in _FORMATS.values() if f.marker is not None]
+
+
+def _file_formats() -> list[SourceFormat]:
+    return [f for f in _FORMATS.values() if f.suffix is not None]
+
+
 def open_model_source(
     model: str | Path,
     dtype: torch.dtype | None = None,
@@ -68,24 +108,31 @@ def open_model_source(
             "(see `batchgen models list`)"
         )
     if path.is_dir():
-        if (path / "config.json").is_file():
-            from engine.loader.safetensors_source import open_safetensors_dir
+        for fmt in _directory_formats():
+            if (path / fmt.marker).is_file():
+                return fmt.opener(name, path, dtype, device)
+        path = _single_model_file(path)
+    for fmt in _file_formats():
+        if path.suffix.lower() == fmt.suffix:
+            return fmt.opener(name, path, dtype, device)
+    files = " or ".join(f"{f.title} ({f.suffix})" for f in _file_formats())
+    dirs = "; ".join(
+        f"for {f.name} pass the directory holding {f.marker}" for f in _directory_formats()
+    )
+    raise ValueError(f"{path}: a model file must be {files}; {dirs}")
 
-            return open_safetensors_dir(name, path, dtype)
-        ggufs = sorted(path.glob("*.gguf"))
-        if len(ggufs) > 1:
-            listed = ", ".join(p.name for p in ggufs)
-            raise ValueError(f"{path} holds several GGUF files ({listed}); pass one of them")
-        if not ggufs:
-            raise FileNotFoundError(
-                f"{path} has no config.json (Hugging Face layout) and no .gguf file"
+
+def _single_model_file(directory: Path) -> Path:
+    """The one model file in a directory no directory format claims."""
+    for fmt in _file_formats():
+        found = sorted(directory.glob(f"*{fmt.suffix}"))
+        if len(found) > 1:
+            listed = ", ".join(p.name for p in found)
+            raise ValueError(
+                f"{directory} holds several {fmt.title} files ({listed}); pass one of them"
             )
-        path = ggufs[0]
-    if path.suffix.lower() != ".gguf":
-        raise ValueError(
-            f"{path}: a model file must be GGUF (.gguf); for safetensors pass the directory "
-            "holding config.json"
-        )
-    from engine.loader.gguf_source import open_gguf_file
-
-    return open_gguf_file(name, path, dtype, device)
+        if found:
+            return found[0]
+    kinds = [f"{f.marker} ({f.title} layout)" for f in _directory_formats()]
+    kinds += [f"{f.suffix} file" for f in _file_formats()]
+    raise FileNotFoundError(f"{directory} has no {' and no '.join(kinds)}")

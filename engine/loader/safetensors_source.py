@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from engine.loader.model_source import ModelSource
+from engine.loader.model_source import ModelSource, SourceFormat, register_format
 from engine.loader.quant_methods import quant_config_from_hf
 from engine.tokenizer import Tokenizer
 
@@ -91,3 +91,13 @@ def open_safetensors_dir(name: str, directory: Path, dtype: torch.dtype | None) 
         tokenizer_loader=lambda: Tokenizer.from_dir(directory),
         format="safetensors",
     )
+
+
+register_format(
+    SourceFormat(
+        name="safetensors",
+        title="Hugging Face",
+        opener=lambda name, path, dtype, device: open_safetensors_dir(name, path, dtype),
+        marker="config.json",
+    )
+)
