@@ -59,7 +59,7 @@ def open_tokenizer(job: JobSpec):
         )
     context = source.declared_context
     if context is None:
-        from batchgen.run import load_llm
+        from batchgen.job_engine import load_llm  # builds the engine: torch, the model
 
         context = load_llm(job).max_model_len
     if job.model.max_model_len is not None:

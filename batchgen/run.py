@@ -23,6 +23,7 @@ from batchgen.engine_supervisor import (
     EngineSupervisor,
 )
 from batchgen.job_context import JobContext, open_job
+from batchgen.job_engine import load_llm
 from batchgen.job_spec import JobError, JobSpec
 from batchgen.planner import ClusterLabels, cluster_mode, log_cluster_mode, plan_rows
 from batchgen.progress import Progress
@@ -50,29 +51,6 @@ EXIT_OK = 0
 EXIT_SOME_ERRORS = 3
 EXIT_BUDGET_EXCEEDED = 4
 EXIT_INTERRUPTED = 5
-
-
-def load_llm(job: JobSpec, max_num_seqs: int | None = None):
-    """The engine for a job (imported here: engine loading pulls in torch models).
-    `max_num_seqs` overrides the job's (an engine rebuilt after running out of memory)."""
-    from engine import LLM
-
-    kwargs = {
-        "model": job.model.path,
-        "device": job.model.device,
-        "dtype": job.model.dtype,
-        "kv_cache_memory": job.model.kv_cache_memory,
-        "seed": job.sampling.seed,
-    }
-    if job.model.max_model_len is not None:
-        kwargs["max_model_len"] = job.model.max_model_len
-    max_num_seqs = max_num_seqs or job.batching.max_num_seqs
-    if max_num_seqs is not None:
-        kwargs["max_num_seqs"] = max_num_seqs
-    kwargs["batch_invariant"] = job.batching.batch_invariant
-    if job.batching.max_num_batched_tokens is not None:
-        kwargs["max_num_batched_tokens"] = job.batching.max_num_batched_tokens
-    return LLM(**kwargs)
 
 
 def start_routing_stats(job: JobSpec, llm) -> bool:
