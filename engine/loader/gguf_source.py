@@ -11,6 +11,10 @@ Three things differ from a Hugging Face checkpoint and are undone here:
   raw quantized rows as well as on dequantized ones.
 
 The config is built from the metadata with the keys transformers' LlamaConfig uses.
+
+The `gguf` package is imported where a GGUF file is read: this module registers the format
+on every start of the engine (engine/loader/__init__.py), and a safetensors model never
+needs the package.
 """
 
 from __future__ import annotations
@@ -18,16 +22,19 @@ from __future__ import annotations
 import re
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType
 
 from engine.loader.model_source import ModelSource, SourceFormat, register_format
 from engine.quant.gguf import BLOCK_TYPES, FLOAT_TYPES, GGUFQuantConfig
 from engine.quant.unquantized import NoQuant
 from engine.tokenizer import Tokenizer
 from kernels.cpu.gguf_blocks import dequantize_blocks
+
+if TYPE_CHECKING:
+    from gguf import GGUFReader
 
 SUPPORTED_ARCHITECTURES = ("llama",)
 
@@ -78,6 +85,8 @@ def unpermute_rope_rows(w: torch.Tensor, n_head: int) -> torch.Tensor:
 
 
 def _field(reader: GGUFReader, key: str, default=None):
+    from gguf import GGUFValueType
+
     f = reader.fields.get(key)
     if f is None:
         return default
@@ -152,6 +161,8 @@ def config_from_metadata(reader: GGUFReader, path: Path) -> dict:
 
 
 def _tensor_type(t) -> str:
+    from gguf import GGMLQuantizationType
+
     return GGMLQuantizationType(t.tensor_type).name
 
 
@@ -171,6 +182,8 @@ def _as_torch(t, qtype: str) -> torch.Tensor:
 def open_gguf_file(
     name: str, path: Path, dtype: torch.dtype | None, device: str | torch.device | None = None
 ) -> ModelSource:
+    from gguf import GGUFReader
+
     try:
         reader = GGUFReader(path)
     except Exception as exc:  # gguf-py raises ValueError / struct errors on bad files
