@@ -33,20 +33,21 @@ OP = "fused_moe"
 
 def moe_entries(model) -> list[MoeEntry]:
     """The routed and shared entries of the model's MoE layers (all layers share shapes)."""
+    from engine.backends.cuda.moe import CudaMoeOps
     from engine.layers.moe import DeepseekMoE
     from kernels.tune.step import MoeEntry
 
     for module in model.modules():
-        if not isinstance(module, DeepseekMoE):
+        if not isinstance(module, DeepseekMoE) or not isinstance(module.ops, CudaMoeOps):
             continue
         out = []
-        fused = getattr(module.experts, "cuda_fused", None)
+        fused = module.ops.fused
         if fused is not None:
             half = 2 if fused.fmt == "mxfp4" else 1
             e, d, i = fused.w2.shape[0], fused.w2.shape[1], fused.w2.shape[-1] * half
             out.append(MoeEntry("routed", int(model.config.num_experts_per_tok), e, d, i,
                                 fused.fmt))  # fmt: skip
-        shared = getattr(module, "cuda_shared", None)
+        shared = module.ops.shared
         if shared is not None:
             half = 2 if shared.fmt == "mxfp4" else 1
             out.append(MoeEntry("shared", 1, 1, shared.w2.shape[0],
@@ -88,7 +89,7 @@ class StepTimer:
 def tune_bucket(timer: StepTimer, entries: list[MoeEntry], bucket: int) -> tuple[dict, list]:
     """kernels.tune.step's descent at one bucket; the shared expert's entry only where the
     fused MoE runs it (SHARED_FUSED_MAX_TOKENS)."""
-    from engine.backends.cuda import SHARED_FUSED_MAX_TOKENS
+    from engine.backends.cuda.moe import SHARED_FUSED_MAX_TOKENS
     from kernels.tune.step import tune_entries
 
     entries = [e for e in entries if e.role != "shared" or bucket <= SHARED_FUSED_MAX_TOKENS]

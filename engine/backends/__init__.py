@@ -1,3 +1,3 @@
-"""Device backends for the engine's layers. The layer classes stay the same on every
-device; when their inputs are CUDA tensors they call the functions in `cuda.py` (Triton
-kernels over the weights in their stored format)."""
+"""Device backends for the engine's layers: each registers, per layer type, the ops its
+device runs (engine/ops/device_layer.py); `prepare.prepare_model` gives a loaded model's
+layers theirs. The torch ops in engine/ops are the CPU's and every other device's."""

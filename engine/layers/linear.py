@@ -1,15 +1,18 @@
-"""A linear layer whose weight storage and matmul come from a `WeightFormat`."""
+"""A linear layer: its weight storage comes from a `WeightFormat`, its matmul from the
+device's linear ops (engine/ops/linear.py)."""
 
 from __future__ import annotations
 
 import torch
 from torch import nn
 
+from engine.ops.device_layer import DeviceLayer, DeviceSetup, build
+from engine.ops.linear import TORCH_LINEAR, LinearOps
 from engine.quant.base import QuantConfig
 from engine.quant.unquantized import NoQuant
 
 
-class Linear(nn.Module):
+class Linear(nn.Module, DeviceLayer):
     """y = x W^T (+ b). `prefix` is the layer's checkpoint name without `.weight`, so the
     quant config can choose its format and the format can name its tensors."""
 
@@ -35,9 +38,13 @@ class Linear(nn.Module):
             )
         else:
             self.bias = None
+        self.ops: LinearOps = TORCH_LINEAR
+
+    def prepare(self, setup: DeviceSetup) -> None:
+        self.ops = build("linear", self, setup)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.format.apply(self, x)
+        y = self.ops.forward(self, x)
         if self.bias is not None:
             y = y + self.bias.to(y.dtype)
         return y

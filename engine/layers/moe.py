@@ -1,23 +1,17 @@
 """DeepSeekMoE block: a float32 router, E routed experts stored stacked per layer, and
-shared experts added unweighted.
-
-Legend: T = tokens, D = hidden, I = expert intermediate size, E = routed experts,
-K = experts per token.
-
-Dropless: every token is computed by all K of its experts whatever the batch holds. The
-CPU path groups the (token, slot) pairs by expert (a stable sort plus bincount) and runs
-each touched expert once on its rows, dequantizing its stored weight on the fly; a GPU
-backend replaces `routed_experts_forward` with a fused kernel over the same stacked tensors.
+shared experts added unweighted. The arithmetic is the device's MoE ops
+(engine/ops/moe.py; legend: docs/shapes.md).
 """
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from engine.layers.deepseek_router import DeepseekRouter, RouterSpec
 from engine.layers.swiglu_mlp import SwiGluMlp
+from engine.ops.device_layer import DeviceLayer, DeviceSetup, build
+from engine.ops.moe import TORCH_MOE, MoeOps, routed_experts_forward
 from engine.quant.base import QuantConfig
 from engine.quant.expert_format import ExpertWeightFormat, UnquantizedExperts
 
@@ -100,34 +94,7 @@ class RoutedExperts(nn.Module):
         return routed_experts_forward(self, x, weights, ids)
 
 
-def routed_experts_forward(
-    experts: RoutedExperts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
-) -> torch.Tensor:
-    """x [T, D], weights [T, K] float32, ids [T, K] -> sum_k weights * expert_k(x)  [T, D].
-
-    Experts run in ascending id order and add into the output with index_add_, the same
-    accumulation order as transformers' reference loop, so float32 results agree exactly."""
-    T, K = ids.shape
-    flat = ids.reshape(-1)  # [T*K]
-    order = torch.argsort(flat, stable=True)
-    counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
-    token_of = order // K  # [T*K] token of each sorted pair
-    weight_of = weights.reshape(-1)[order]  # [T*K]
-    out = torch.zeros_like(x)
-    start = 0
-    for expert, count in enumerate(counts):
-        if count == 0:
-            continue
-        rows = token_of[start : start + count]
-        h = x[rows]  # [n, D]
-        act = F.silu(experts.gate_proj(expert, h)) * experts.up_proj(expert, h)  # [n, I]
-        y = experts.down_proj(expert, act) * weight_of[start : start + count, None]  # [n, D]
-        out.index_add_(0, rows, y.to(out.dtype))
-        start += count
-    return out
-
-
-class DeepseekMoE(nn.Module):
+class DeepseekMoE(nn.Module, DeviceLayer):
     def __init__(
         self,
         hidden_size: int,
@@ -156,16 +123,10 @@ class DeepseekMoE(nn.Module):
         )
         # Set by the model when routing statistics are on (engine/routing_stats.py).
         self.routing_recorder = None
+        self.ops: MoeOps = TORCH_MOE
+
+    def prepare(self, setup: DeviceSetup) -> None:
+        self.ops = build("moe", self, setup)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.is_cuda:  # GPU backend: router kernel + fused MoE (engine/backends/cuda.py)
-            from engine.backends.cuda import moe_forward
-
-            return moe_forward(self, x)
-        weights, ids = self.gate(x)  # [T, K] float32, [T, K]
-        if self.routing_recorder is not None:
-            self.routing_recorder.record(self.layer_index, ids, self.experts.bytes_per_expert())
-        out = self.experts(x, weights, ids)
-        if self.shared_experts is not None:
-            out = out + self.shared_experts(x)
-        return out
+        return self.ops.forward(self, x)

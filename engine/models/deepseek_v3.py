@@ -29,7 +29,7 @@ from torch import nn
 from engine.layers.decoder_layer import PreNormDecoderLayer
 from engine.layers.deepseek_router import RouterSpec
 from engine.layers.linear import Linear
-from engine.layers.mla import MlaDims, MultiLatentAttention
+from engine.layers.mla import MultiLatentAttention
 from engine.layers.moe import DeepseekMoE, ExpertProjection
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import RotaryEmbedding, rope_parameters, yarn_mscale
@@ -41,6 +41,7 @@ from engine.models.weights import (
     run_after_loading_hooks,
 )
 from engine.ops.attention_context import AttentionContext
+from engine.ops.mla_forms import MlaDims
 from engine.quant.base import QuantConfig
 from engine.quant.deepseek_quant_config import DeepseekQuantConfig
 from kernels.cpu import batch_invariant
@@ -197,13 +198,9 @@ class DeepseekDecoderLayer(PreNormDecoderLayer):
             self.mlp = SwiGluMlp(cfg.hidden_size, cfg.intermediate_size, quant, f"{prefix}.mlp")
 
     def attend(self, x, residual, positions, ctx):
-        if residual is not None and x.is_cuda:
-            # GPU backend: the input RMSNorm inside the q/kv_a GEMV where it applies
-            # (EngineConfig.fold_input_norm; engine/backends/cuda.py)
-            from engine.backends.cuda import mla_decode_with_input_norm
-
-            folded = mla_decode_with_input_norm(
-                self.self_attn, self.input_layernorm, x, residual, positions, ctx
+        if residual is not None:  # the input norm fused into the attention where it can be
+            folded = self.self_attn.forward_with_input_norm(
+                self.input_layernorm, x, residual, positions, ctx
             )
             if folded is not None:
                 return folded

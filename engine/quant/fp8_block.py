@@ -2,8 +2,8 @@
 
 DeepSeek-V3 names the scale `weight_scale_inv` (float32); DeepSeek-V4 names it `scale`
 (E8M0, stored uint8 / float8_e8m0fnu). Both mean W = q * s[o // 128, i // 128]. The CPU
-path dequantizes row tiles on the fly (engine/quant/expert_format.py: tiled_matmul); a GPU
-backend replaces `apply` / `apply_expert` with a kernel reading the same tensors.
+path dequantizes row tiles on the fly (engine/quant/expert_format.py: tiled_matmul); the
+CUDA backend's linear and MoE ops run kernels over the same tensors.
 """
 
 from __future__ import annotations
@@ -48,11 +48,6 @@ class Fp8BlockFormat(WeightFormat, ExpertWeightFormat):
 
     def apply(self, layer, x):
         weight, scale = layer.weight, getattr(layer, self.scale_name)
-        if x.is_cuda and x.dtype in (torch.bfloat16, torch.float16):
-            # GPU backend: codes decoded in registers by a Triton kernel (engine/backends/cuda.py)
-            from engine.backends.cuda import fp8_linear
-
-            return fp8_linear(layer, x)
         return tiled_matmul(
             x,
             weight.shape[0],

@@ -1,7 +1,8 @@
-"""The CUDA backend's layer paths (engine/backends/cuda.py) on the CPU, through Triton's
-interpreter, at tiny sizes: the fused MoE path and the absorbed MLA decode path must equal
-the layers' own torch code on the same weights and cache. (On a GPU, the layers dispatch
-to these functions themselves; tests/engine/test_gpu_engine.py checks that end to end.)"""
+"""The CUDA backend's ops (engine/backends/cuda/) on the CPU, through Triton's interpreter,
+at tiny sizes: a CPU model prepared as for CUDA takes them for every layer, and the fused
+MoE path, the MLA decode and prefill paths and the FP8 linears must equal the torch ops
+(engine/ops/) on the same weights and cache. (tests/engine/test_gpu_engine.py checks the
+same end to end on a GPU.)"""
 
 import os
 
@@ -12,11 +13,17 @@ if not torch.cuda.is_available():
 
 import pytest
 
-from engine.backends import cuda as backend
+from engine.backends.cuda.mla import CudaMlaOps
+from engine.backends.cuda.moe import CudaMoeOps, gathered_experts
+from engine.backends.cuda.norm_linear import CUDA_NORM, Fp8LinearOps, StackedLinear
+from engine.backends.prepare import prepare_model
 from engine.checkpoint_maker import make_random_checkpoint
 from engine.config import CudaTuning
 from engine.layers.mla import MultiLatentAttention
 from engine.layers.moe import DeepseekMoE
+from engine.ops.device_layer import DeviceSetup
+from engine.ops.mla import TORCH_MLA
+from engine.ops.moe import TORCH_MOE
 from tests.engine.deepseek_helpers import PagedRunner, load_engine_model, relative_error
 
 pytestmark = pytest.mark.skipif(
@@ -33,6 +40,23 @@ def _bf16_model(path):
         torch.set_default_dtype(previous)
 
 
+def cuda_setup(dtype, max_len=64, **tuning) -> DeviceSetup:
+    """A setup that picks the CUDA backend's ops for tensors that stay on the CPU (where
+    the kernels run in the interpreter)."""
+    tuning = CudaTuning(**{"shared_expert_stream": False, **tuning})
+    return DeviceSetup(torch.device("cuda"), dtype, max_len, tuning, batch_invariant=False)
+
+
+def prepare_as_cuda(model, dtype, max_len=64, **tuning):
+    prepare_model(model, cuda_setup(dtype, max_len, **tuning))
+
+
+def _first_moe(model) -> tuple[DeepseekMoE, CudaMoeOps]:
+    moe = next(m for m in model.modules() if isinstance(m, DeepseekMoE))
+    assert isinstance(moe.ops, CudaMoeOps)
+    return moe, moe.ops
+
+
 @pytest.fixture(scope="module", params=["bf16", "mxfp4"])
 def tiny_model(request, tmp_path_factory):
     out = tmp_path_factory.mktemp(f"tiny_{request.param}")
@@ -40,13 +64,13 @@ def tiny_model(request, tmp_path_factory):
         out, preset="tiny", expert_dtype=request.param, seed=5, device="cpu", mtp=False
     )
     model = _bf16_model(out)
-    backend.prepare_model(model, torch.bfloat16, 64)
+    prepare_as_cuda(model, torch.bfloat16)
     return model
 
 
 def test_experts_are_stacked_as_views(tiny_model):
-    moe = next(m for m in tiny_model.modules() if isinstance(m, DeepseekMoE))
-    fused = moe.experts.cuda_fused
+    moe, ops = _first_moe(tiny_model)
+    fused = ops.fused
     assert fused is not None and fused.fmt in ("bf16", "mxfp4")
     gate = moe.experts.gate_proj.weight
     assert gate.data_ptr() == fused.w13.data_ptr()  # no second copy of the weights
@@ -54,17 +78,17 @@ def test_experts_are_stacked_as_views(tiny_model):
 
 
 def test_shared_expert_is_stacked_as_views_and_fused(tiny_model):
-    moe = next(m for m in tiny_model.modules() if isinstance(m, DeepseekMoE))
+    moe, ops = _first_moe(tiny_model)
     assert moe.shared_experts is not None, "the tiny preset has a shared expert"
-    shared = moe.cuda_shared
+    shared = ops.shared
     gate, up = moe.shared_experts.gate_proj.weight, moe.shared_experts.up_proj.weight
     assert gate.data_ptr() == shared.w13.data_ptr()
     assert torch.equal(shared.w13[gate.shape[0] :], up)
     gen = torch.Generator().manual_seed(9)
     x = torch.randn(3, gate.shape[1], generator=gen).bfloat16()
     weights, ids = moe.gate(x)
-    routed = backend.routed_experts(moe.experts, x, weights, ids).float()
-    both = backend.routed_experts(moe.experts, x, weights, ids, shared).float()
+    routed = ops.routed_experts(moe.experts, x, weights, ids).float()
+    both = ops.routed_experts(moe.experts, x, weights, ids, shared).float()
     assert relative_error(both - routed, moe.shared_experts(x).float()) < 3e-2
 
 
@@ -72,12 +96,12 @@ def test_shared_expert_is_stacked_as_views_and_fused(tiny_model):
 def test_moe_forward_matches_the_torch_path(tiny_model, tokens):
     from kernels.triton.moe_prologue import PROLOGUE_MAX_TOKENS
 
-    moe = next(m for m in tiny_model.modules() if isinstance(m, DeepseekMoE))
+    moe, ops = _first_moe(tiny_model)
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, moe.gate.weight.shape[1], generator=gen).bfloat16()
-    want = moe(x).float()  # CPU tensors: the layer's own torch code
-    assert (backend.moe_prologue(moe, x) is not None) == (tokens <= PROLOGUE_MAX_TOKENS)
-    got = backend.moe_forward(moe, x)
+    want = TORCH_MOE.forward(moe, x).float()
+    assert (ops.prologue(moe, x) is not None) == (tokens <= PROLOGUE_MAX_TOKENS)
+    got = moe(x)
     assert got.dtype == torch.float32  # the accumulator itself: the next norm adds it
     assert relative_error(got, want) < 2e-2
 
@@ -88,8 +112,8 @@ def test_moe_forward_with_a_dequant_config_matches_the_torch_path(tiny_model, to
     # launch even at decode sizes, and the layer's result as its own torch code gives it
     from kernels.triton import configs
 
-    moe = next(m for m in tiny_model.modules() if isinstance(m, DeepseekMoE))
-    if moe.experts.cuda_fused.fmt != "mxfp4":
+    moe, ops = _first_moe(tiny_model)
+    if ops.fused.fmt != "mxfp4":
         pytest.skip("dequant configs are for MXFP4 experts")
     tile = dict(KERNEL="dequant", BLOCK_M=16, BLOCK_N=32, BLOCK_K=64, num_warps=4, num_stages=2)
     real_lookup = configs.lookup
@@ -99,27 +123,27 @@ def test_moe_forward_with_a_dequant_config_matches_the_torch_path(tiny_model, to
     )  # fmt: skip
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(tokens, moe.gate.weight.shape[1], generator=gen).bfloat16()
-    want = moe(x).float()
-    assert backend.moe_prologue(moe, x) is None
-    assert relative_error(backend.moe_forward(moe, x), want) < 2e-2
+    want = TORCH_MOE.forward(moe, x).float()
+    assert ops.prologue(moe, x) is None
+    assert relative_error(moe(x), want) < 2e-2
 
 
 def test_moe_forward_takes_an_empty_batch(tiny_model):
-    moe = next(m for m in tiny_model.modules() if isinstance(m, DeepseekMoE))
+    moe, ops = _first_moe(tiny_model)
     x = torch.zeros(0, moe.gate.weight.shape[1], dtype=torch.bfloat16)
-    assert backend.moe_prologue(moe, x) is None
-    assert backend.moe_forward(moe, x).shape == x.shape
+    assert ops.prologue(moe, x) is None
+    assert moe(x).shape == x.shape
 
 
 def test_gathered_experts_match_the_torch_path(tiny_model):
-    moe = next(m for m in tiny_model.modules() if isinstance(m, DeepseekMoE))
+    moe, _ = _first_moe(tiny_model)
     if moe.experts.gate_proj.format.name != "unquantized":
         pytest.skip("the gathered path serves unquantized experts")
     gen = torch.Generator().manual_seed(2)
     x = torch.randn(4, moe.gate.weight.shape[1], generator=gen).bfloat16()
     weights, ids = moe.gate(x)
     want = moe.experts(x, weights, ids).float()
-    got = backend.gathered_experts(moe.experts, x, weights, ids).float()
+    got = gathered_experts(moe.experts, x, weights, ids).float()
     assert relative_error(got, want) < 1e-2
 
 
@@ -130,23 +154,24 @@ def test_mla_decode_path_matches_the_torch_path(tiny_model):
     runner.step([(s, toks) for s, toks in prompts.items()])  # prefill, torch path
     ctx, positions = runner.context([(0, 1), (1, 1)])
     attn = tiny_model.model.layers[1].self_attn
-    assert isinstance(attn, MultiLatentAttention)
-    assert attn.cuda_state.q_kv_a is not None  # q_a_proj and kv_a in one linear
+    assert isinstance(attn, MultiLatentAttention) and isinstance(attn.ops, CudaMlaOps)
+    assert attn.ops.q_kv_a is not None  # q_a_proj and kv_a in one linear
+    assert ctx.is_decode
     x = torch.randn(2, attn.dims.hidden_size, generator=gen).bfloat16()
     cache = attn.kv_cache.clone()
-    want = attn(x, positions, ctx).float()
+    want = TORCH_MLA.forward(attn, x, positions, ctx).float()
     want_cache = attn.kv_cache.clone()
     attn.kv_cache.copy_(cache)
-    got = backend.mla_decode_forward(attn, x, positions, ctx).float()
+    got = attn(x, positions, ctx).float()
     assert relative_error(got, want) < 3e-2
     assert relative_error(attn.kv_cache.float(), want_cache.float()) < 1e-2
 
 
 def _prefill_inputs_error(model, dtype) -> float:
     """A prefill step's query and cache writes: the layer's torch code (RMSNorm, rope ops,
-    concatenation and scatter) against backend.mla_prefill_inputs (one stacked GEMM, one
-    rope + norm + cache launch); the largest relative error of the three results."""
-    from engine.layers.mla import write_latent_cache
+    concatenation and scatter) against CudaMlaOps.project (one stacked GEMM, one rope +
+    norm + cache launch); the largest relative error of the three results."""
+    from engine.ops.mla_forms import write_latent_cache
 
     runner = PagedRunner(model, block_size=4, num_blocks=32, seed=5)
     ctx, positions = runner.context([(0, 6), (1, 3)])  # two prompts, nothing cached yet
@@ -163,7 +188,7 @@ def _prefill_inputs_error(model, dtype) -> float:
     write_latent_cache(attn.kv_cache, ctx, latent, k_rope[:, 0])
     want_cache = attn.kv_cache.clone()
     attn.kv_cache.copy_(before)
-    got = backend.mla_prefill_inputs(attn, x, positions, ctx)
+    got = attn.ops.project(attn, x, positions, ctx)
     got_nope, got_rope = got[..., :N], got[..., N:]
     assert not torch.equal(attn.kv_cache, before)  # the new tokens' entries were written
     return max(
@@ -180,12 +205,12 @@ def test_mla_prefill_inputs_match_the_torch_path(tiny_model):
 def test_float32_prefill_inputs_are_exact(tmp_path):
     make_random_checkpoint(tmp_path, preset="tiny", seed=6, device="cpu", mtp=False)
     model = load_engine_model(tmp_path, enable_mtp=False)  # float32
-    backend.prepare_model(model, torch.float32, 64)
+    prepare_as_cuda(model, torch.float32)
     assert _prefill_inputs_error(model, torch.float32) < 1e-5
 
 
 def test_mla_prefill_in_the_model_dtype_is_prepared_and_close(tmp_path):
-    # EngineConfig.mla_expanded_float32 = False reaches every MLA layer through
+    # CudaTuning.mla_expanded_float32 = False reaches every MLA layer through
     # prepare_model; a bf16 prefill's logits then stay close to the float32 form's.
     make_random_checkpoint(tmp_path, preset="tiny", seed=8, device="cpu", mtp=False)
     model = _bf16_model(tmp_path)
@@ -193,12 +218,10 @@ def test_mla_prefill_in_the_model_dtype_is_prepared_and_close(tmp_path):
     prompts = [(0, torch.randint(0, 200, (9,), generator=gen).tolist()), (1, [4, 8, 15, 16])]
     logits = {}
     for in_float32 in (True, False):
-        backend.prepare_model(
-            model, torch.bfloat16, 64, CudaTuning(mla_expanded_float32=in_float32)
-        )
+        prepare_as_cuda(model, torch.bfloat16, mla_expanded_float32=in_float32)
         attns = [m for m in model.modules() if isinstance(m, MultiLatentAttention)]
         assert attns and all(
-            a.expanded_dtype == (torch.float32 if in_float32 else torch.bfloat16) for a in attns
+            a.ops.expanded_dtype == (torch.float32 if in_float32 else torch.bfloat16) for a in attns
         )
         for a in attns:
             a.mode = "expanded"
@@ -212,16 +235,16 @@ def _float32_decode_error(tmp_path, max_len: int, prompts: list) -> float:
     path (prepared for `max_len`) against the layer's torch code on the same cache."""
     make_random_checkpoint(tmp_path, preset="tiny", seed=6, device="cpu", mtp=False)
     model = load_engine_model(tmp_path, enable_mtp=False)  # float32
-    backend.prepare_model(model, torch.float32, max_len)
+    prepare_as_cuda(model, torch.float32, max_len)
     runner = PagedRunner(model, block_size=4, num_blocks=32, seed=7)
     runner.step(list(enumerate(prompts)))
     ctx, positions = runner.context([(i, 1) for i in range(len(prompts))])
     attn = model.model.layers[0].self_attn
     x = torch.randn(len(prompts), attn.dims.hidden_size, generator=torch.Generator().manual_seed(8))
     cache = attn.kv_cache.clone()
-    want = attn(x, positions, ctx)
+    want = TORCH_MLA.forward(attn, x, positions, ctx)
     attn.kv_cache.copy_(cache)
-    return relative_error(backend.mla_decode_forward(attn, x, positions, ctx), want)
+    return relative_error(attn(x, positions, ctx), want)
 
 
 def test_float32_decode_path_is_exact(tmp_path):
@@ -236,7 +259,7 @@ def test_mxfp4_scales_beyond_the_kernels_exact_range_are_refused(tmp_path):
     experts = next(m for m in model.modules() if isinstance(m, DeepseekMoE)).experts
     experts.down_proj.scale.data[0, 0, 0] = 129  # 2^2: beyond the bf16-folded decode
     with pytest.raises(ValueError, match=r"down_proj\.scale: MXFP4 scale byte 129"):
-        backend.prepare_model(model, torch.bfloat16, 64)
+        prepare_as_cuda(model, torch.bfloat16)
 
 
 def test_fp8_linears_multiply_in_fp8_from_the_configured_token_count(tmp_path):
@@ -247,17 +270,17 @@ def test_fp8_linears_multiply_in_fp8_from_the_configured_token_count(tmp_path):
     make_random_checkpoint(tmp_path, preset="tiny", dense_dtype="fp8", seed=6, device="cpu",
                            mtp=False)  # fmt: skip
     model = _bf16_model(tmp_path)
-    backend.prepare_model(model, torch.bfloat16, 64, CudaTuning(fp8_native_min_tokens=3))
+    prepare_as_cuda(model, torch.bfloat16, fp8_native_min_tokens=3)
     fp8 = [
         m for m in model.modules() if isinstance(m, Linear) and isinstance(m.format, Fp8BlockFormat)
     ]
-    assert fp8 and all(m.cuda_native_min_tokens == 3 for m in fp8)
+    assert fp8 and all(isinstance(m.ops, Fp8LinearOps) and m.ops.native_min == 3 for m in fp8)
     layer = fp8[0]
     scale = getattr(layer, layer.format.scale_name)
     gen = torch.Generator().manual_seed(9)
     for rows, native in ((2, False), (3, True)):
         x = torch.randn(rows, layer.in_features, generator=gen).bfloat16()
-        got = backend.fp8_linear(layer, x)  # what Fp8BlockFormat.apply calls on a GPU
+        got = layer(x)
         assert torch.equal(got, fp8_block_linear(x, layer.weight, scale, native_fp8=native))
         # (the two paths differ: the quantized activations change the result's low bits)
         other = fp8_block_linear(x, layer.weight, scale, native_fp8=not native)
@@ -280,6 +303,7 @@ def test_stacked_linears_equal_the_two_and_share_their_storage(dense):
         if dense == "fp8":
             scale = getattr(layer, layer.format.scale_name)
             scale.data = torch.rand(scale.shape, generator=gen) + 0.5
+        layer.prepare(cuda_setup(torch.bfloat16, fp8_native_min_tokens=None))
         return layer
 
     # FP8: the first ends on a 128-row scale block; bf16 has no blocks (any row count)
@@ -287,21 +311,23 @@ def test_stacked_linears_equal_the_two_and_share_their_storage(dense):
     weights = (first.weight, second.weight)
     x = torch.randn(3, 160, generator=gen).bfloat16()
     want = torch.cat((first(x), second(x)), dim=-1)
-    stacked = backend.stack_linears(first, second)
+    stacked = StackedLinear.of(first, second, native_min=None)
     assert stacked is not None and stacked.out_features == first.out_features + 72
     assert torch.equal(stacked(x), want)
     assert torch.equal(torch.cat((first(x), second(x)), dim=-1), want)  # now views
     assert first.weight is weights[0] and second.weight is weights[1]  # same Parameters
-    names = ["weight"] + ([first.format.scale_name] if dense == "fp8" else [])
-    for name in names:  # every tensor of both is a view of the stacked one
-        base = getattr(stacked, name)
+    names = [("weight", "weight")]
+    if dense == "fp8":
+        names.append((first.format.scale_name, "scale"))
+    for name, stacked_name in names:  # every tensor of both is a view of the stacked one
+        base = getattr(stacked, stacked_name)
         assert getattr(first, name).data_ptr() == base.data_ptr()
         offset = getattr(first, name).numel() * base.element_size()
         assert getattr(second, name).data_ptr() == base.data_ptr() + offset
     if dense == "fp8":
         assert isinstance(stacked.format, Fp8BlockFormat)
         # rows ending inside a scale block would need the block split: not stacked
-        assert backend.stack_linears(linear(200), linear(72)) is None
+        assert StackedLinear.of(linear(200), linear(72), native_min=None) is None
 
 
 def test_decode_rope_covers_the_drafters_positions_past_max_model_len(tmp_path):
@@ -313,7 +339,7 @@ def test_decode_rope_covers_the_drafters_positions_past_max_model_len(tmp_path):
 
 
 def test_input_norm_folded_into_the_fp8_q_kv_a_gemv(tmp_path, monkeypatch):
-    # EngineConfig.fold_input_norm: a one-row decode step (the q/kv_a config is the GEMV)
+    # CudaTuning.fold_input_norm: a one-row decode step (the q/kv_a config is the GEMV)
     # takes norm(x + residual) inside q/kv_a; the same attention output, cache entry and
     # new residual as the norm launch then the decode path. Two rows take the dot kernel
     # here: no fold. (q_lora_rank 128: FP8 q_a and kv_a stack only on a scale-block edge.)
@@ -324,10 +350,10 @@ def test_input_norm_folded_into_the_fp8_q_kv_a_gemv(tmp_path, monkeypatch):
     make_random_checkpoint(tmp_path, preset="tiny", dense_dtype="fp8", seed=9, device="cpu",
                            mtp=False)  # fmt: skip
     model = _bf16_model(tmp_path)
-    backend.prepare_model(model, torch.bfloat16, 64, CudaTuning(fold_input_norm=True))
+    prepare_as_cuda(model, torch.bfloat16, fold_input_norm=True)
     layer = model.model.layers[1]
     attn, norm = layer.self_attn, layer.input_layernorm
-    assert attn.cuda_state.fold_input_norm and attn.cuda_state.q_kv_a is not None
+    assert attn.ops.fold_input_norm and attn.ops.q_kv_a is not None
     runner = PagedRunner(model, block_size=4, num_blocks=32, seed=3)
     gen = torch.Generator().manual_seed(10)
     runner.step([(0, torch.randint(0, 200, (6,), generator=gen).tolist()), (1, [7, 3])])
@@ -337,11 +363,11 @@ def test_input_norm_folded_into_the_fp8_q_kv_a_gemv(tmp_path, monkeypatch):
         acc = torch.randn(rows, d, generator=gen)  # the MoE's float32 accumulator
         residual = torch.randn(rows, d, generator=gen).bfloat16()
         cache = attn.kv_cache.clone()
-        x, want_res = backend.rmsnorm(acc, norm.weight, norm.eps, residual)  # the GPU's norm
-        want = backend.mla_decode_forward(attn, x, positions, ctx).float()
+        x, want_res = CUDA_NORM.forward(norm, acc, residual)  # the GPU's norm
+        want = attn(x, positions, ctx).float()
         want_cache = attn.kv_cache.clone()
         attn.kv_cache.copy_(cache)
-        folded = backend.mla_decode_with_input_norm(attn, norm, acc, residual, positions, ctx)
+        folded = attn.forward_with_input_norm(norm, acc, residual, positions, ctx)
         if rows == 2:
             assert folded is None  # q/kv_a's two-row config is the dot kernel
             continue
@@ -350,7 +376,7 @@ def test_input_norm_folded_into_the_fp8_q_kv_a_gemv(tmp_path, monkeypatch):
         assert relative_error(got.float(), want) < 1e-2
         assert relative_error(attn.kv_cache.float(), want_cache.float()) < 1e-2
         attn.kv_cache.copy_(cache)
-    backend.prepare_model(model, torch.bfloat16, 64, CudaTuning(fold_input_norm=False))
+    prepare_as_cuda(model, torch.bfloat16, fold_input_norm=False)
     ctx, positions = runner.context([(0, 1)])
     acc, residual = torch.randn(1, d, generator=gen), torch.randn(1, d, generator=gen).bfloat16()
-    assert backend.mla_decode_with_input_norm(attn, norm, acc, residual, positions, ctx) is None
+    assert attn.forward_with_input_norm(norm, acc, residual, positions, ctx) is None

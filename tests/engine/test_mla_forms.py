@@ -3,7 +3,7 @@ lengths, chunked prefill (queries after a cached prefix), padded query rows."""
 
 import torch
 
-from engine.layers.mla import (
+from engine.ops.mla_forms import (
     MlaDims,
     attend_absorbed_batched,
     attend_expanded_batched,
@@ -85,7 +85,7 @@ def test_mla_layer_groups_scatter_back_to_the_right_rows(monkeypatch):
     # A step mixing a decode row, a chunk after a prefix and fresh prompts, with a budget
     # so small that every expanded sequence runs in its own group, and one that batches
     # them: both must equal the all-absorbed layer output row for row.
-    import engine.layers.mla as mla
+    import engine.ops.mla as mla
     from tests.engine.deepseek_helpers import PagedRunner, engine_model_from_hf, hf_model
 
     model = engine_model_from_hf(hf_model(seed=5, q_lora_rank=None))
@@ -110,7 +110,7 @@ def test_mla_layer_groups_scatter_back_to_the_right_rows(monkeypatch):
 
 
 def test_expanded_form_in_bf16_stays_close_to_float32():
-    # The GPU option EngineConfig.mla_expanded_float32 = False: keys, values and attention
+    # The GPU option CudaTuning.mla_expanded_float32 = False: keys, values and attention
     # in bf16 (the cache and the queries are bf16 in such a model), the output float32.
     context_lens, query_lens = [9, 13], [9, 5]
     q_nope, q_rope, q_pos, cache, tables, lens, w = _paged_case(context_lens, query_lens, 4)

@@ -1,0 +1,187 @@
+"""DeepSeekMoE on CUDA: the router kernel and the fused MoE kernels (bf16 / FP8 / MXFP4
+experts read in their stored format), with the shared expert inside the same launches at
+decode sizes. At decode sizes one prologue launch does the routing, the (token, slot)
+grouping, x's int8 quantization and the accumulator's zeroing.
+
+Nothing here reads a device value back to the host (sizes come from host-known T, K, E),
+so a decode step can be captured in one CUDA graph (engine/cuda_graph_runner.py). A
+float32 model (exactness tests) keeps the torch code except for the experts, which are
+gathered by id (no host sync) where they are unquantized.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from engine.backends.cuda.expert_stacking import (
+    FusedExperts,
+    stack_experts,
+    stack_shared_expert,
+)
+from engine.backends.cuda.norm_linear import KERNEL_DTYPES
+from engine.ops.device_layer import DeviceSetup, register
+from engine.ops.moe import MoeOps, routed_experts_forward
+
+# Tokens up to which the shared expert runs inside the fused MoE launches, where it saves
+# launches and runs beside the routed experts. Larger steps are arithmetic-bound, where
+# its narrow DENSE tiles lose to cuBLAS's (docs/notes-gpu-engine.md).
+SHARED_FUSED_MAX_TOKENS = 64
+# Tokens up to which the router computes the float32 gate GEMV itself (one launch instead
+# of x.float(), cuBLAS's dot + split-K reduce and the router). Its programs re-read their
+# weight block per token (from L2), so larger T, arithmetic-bound, goes to cuBLAS.
+ROUTER_FUSED_MAX_TOKENS = 64
+
+
+def routing_args(spec, bias: torch.Tensor | None) -> dict | None:
+    """The router kernels' routing arguments for a RouterSpec, or None where they do not
+    apply (V2's greedy groups score a group by its max; the kernels by the top-2 sum)."""
+    if spec.topk_method == "group_limited_greedy" and spec.topk_group < spec.n_group:
+        return None
+    grouped = spec.uses_groups and spec.topk_group < spec.n_group
+    return dict(
+        top_k=spec.top_k,
+        bias=bias if spec.uses_bias else None,
+        n_group=spec.n_group if grouped else 1,
+        topk_group=spec.topk_group if grouped else 1,
+        norm_topk_prob=spec.norm_topk_prob,
+        routed_scaling_factor=spec.routed_scaling_factor,
+        scoring=spec.scoring_func,
+    )
+
+
+class CudaMoeOps(MoeOps):
+    """`fused`: the layer's experts as the fused kernel reads them (None where it cannot);
+    `shared`: its shared expert likewise; `stream`: the model's side stream for the shared
+    expert (CudaTuning.shared_expert_stream), None for one stream."""
+
+    def __init__(self, moe, setup: DeviceSetup):
+        self.fused: FusedExperts | None = stack_experts(moe.experts)
+        self.shared = None
+        if moe.shared_experts is not None:
+            self.shared = stack_shared_expert(moe.shared_experts)
+        self.stream = None
+        if setup.tuning.shared_expert_stream and setup.device.type == "cuda":
+            self.stream = setup.shared(
+                "cuda.shared_stream", lambda: torch.cuda.Stream(setup.device)
+            )
+        gate = moe.gate
+        self.routing = routing_args(gate.spec, gate.e_score_correction_bias)
+
+    def uses_kernels(self, x: torch.Tensor) -> bool:
+        return self.fused is not None and x.dtype in KERNEL_DTYPES
+
+    def forward(self, moe, x):
+        """x [T, D] -> [T, D]. On the fused path the result is the kernels' float32
+        accumulator: the next step is always the pre-norm residual add (the fused RMSNorm
+        takes a float32 x), so a cast launch per layer is saved."""
+        from kernels.triton.fused_moe import start_shared_expert
+
+        x = x.contiguous()
+        # At decode sizes the fused kernels add the shared expert into the routed experts'
+        # accumulator (two launches instead of gate, up, silu, mul, down and the add).
+        shared = self.shared if x.shape[0] <= SHARED_FUSED_MAX_TOKENS else None
+        fused = self.uses_kernels(x)
+        # On its own stream the shared expert's gate+up starts now, beside the routing: it
+        # needs only x (its down waits in fused_moe for the zeroed accumulator).
+        side = fused and shared is not None and self.stream is not None
+        pending = start_shared_expert(x, shared, self.stream) if side else None
+        try:
+            prologue = self.prologue(moe, x)
+            if prologue is not None:
+                weights, ids = prologue.topk_weights, prologue.topk_ids
+            else:
+                weights, ids = self.route(moe, x)
+            if moe.routing_recorder is not None:
+                moe.routing_recorder.record(moe.layer_index, ids, moe.experts.bytes_per_expert())
+            out = self.routed_experts(moe.experts, x, weights, ids, pending or shared, prologue)
+        finally:
+            if pending is not None:
+                pending.join()
+        if moe.shared_experts is not None and (shared is None or not fused):
+            out = out + moe.shared_experts(x)
+        return out
+
+    def route(self, moe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, D] -> (weights [T, K] float32, ids [T, K]) as the router module gives: the
+        logits x.float() @ W.float().T in float32."""
+        if self.routing is None:
+            return moe.gate(x)
+        from kernels.triton.moe_router import moe_gate_route, moe_route
+
+        gate_weight = moe.gate.weight
+        if x.shape[0] <= ROUTER_FUSED_MAX_TOKENS:  # one launch: the GEMV inside the router
+            return moe_gate_route(x.contiguous(), gate_weight.contiguous(), **self.routing)
+        return moe_route(F.linear(x.float(), gate_weight).contiguous(), **self.routing)
+
+    def prologue(self, moe, x: torch.Tensor):
+        """At decode sizes on the fused path: routing, pair grouping, x's int8 quantization
+        and the accumulator's zeroing in one launch (kernels/triton/moe_prologue.py), as a
+        MoePrologue for fused_moe; else None (the router and fused_moe launch their own).
+        The tile it groups for is the one fused_moe picks for the same shape."""
+        from kernels.triton.fused_moe import choose_config
+        from kernels.triton.moe_prologue import PROLOGUE_MAX_TOKENS, moe_prologue
+
+        decode_sized = 1 <= x.shape[0] <= PROLOGUE_MAX_TOKENS
+        if not decode_sized or self.routing is None or not self.uses_kernels(x):
+            return None
+        fused = self.fused
+        t, d = x.shape
+        e = fused.w13.shape[0]
+        i = fused.w2.shape[-1] * (2 if fused.fmt == "mxfp4" else 1)
+        cfg = choose_config(t, self.routing["top_k"], e, d, i, fused.fmt, x.device)
+        if cfg.get("KERNEL") == "dequant":  # a prefill-sized choice: fused_moe aligns itself
+            return None
+        return moe_prologue(
+            x,
+            moe.gate.weight.contiguous(),
+            block_m=cfg["BLOCK_M"],
+            quantize_int8=cfg.get("KERNEL") == "int8",
+            **self.routing,
+        )
+
+    def routed_experts(self, experts, x, weights, ids, shared=None, prologue=None):
+        """Routed experts' weighted sum; `shared` (a fused_moe.SharedExpert, or a
+        PendingSharedExpert already running on the side stream) is added in the same
+        kernels when the fused path runs, else the caller adds it. `prologue`: the
+        prologue's, if any."""
+        if self.uses_kernels(x):
+            from kernels.triton.fused_moe import fused_moe
+
+            fused = self.fused
+            return fused_moe(
+                x.contiguous(),
+                fused.w13,
+                fused.w2,
+                weights,
+                ids,
+                fused.fmt,
+                fused.w13_scale,
+                fused.w2_scale,
+                shared=shared,
+                out_dtype=torch.float32,
+                shared_stream=self.stream,
+                prologue=prologue,
+            )
+        if experts.gate_proj.format.name == "unquantized":
+            return gathered_experts(experts, x, weights, ids)
+        # Quantized experts with float32 activations: the torch code (it syncs: eager only).
+        return routed_experts_forward(experts, x, weights, ids.long())
+
+
+def gathered_experts(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor):
+    """Unquantized experts with each (token, slot)'s weights gathered by id: no host sync,
+    any dtype; reads T*K expert weights, so it is for small models and float32 checks."""
+    ids = ids.long()
+    w_gate = experts.gate_proj.weight[ids]  # [T, K, I, D]
+    w_up = experts.up_proj.weight[ids]  # [T, K, I, D]
+    w_down = experts.down_proj.weight[ids]  # [T, K, D, I]
+    xw = x.to(w_gate.dtype)
+    h = F.silu(torch.einsum("td,tkid->tki", xw, w_gate)) * torch.einsum("td,tkid->tki", xw, w_up)
+    y = torch.einsum("tki,tkdi->tkd", h, w_down)  # [T, K, D]
+    return (y.float() * weights[..., None]).sum(dim=1).to(x.dtype)
+
+
+@register("moe", "cuda")
+def cuda_moe_ops(moe, setup: DeviceSetup) -> MoeOps:
+    return CudaMoeOps(moe, setup)

@@ -1,0 +1,70 @@
+"""A DeepSeekMoE block's arithmetic: the interface and its torch implementation.
+
+Legend: docs/shapes.md (T tokens, D hidden, E routed experts, K experts per token).
+
+Dropless: every token is computed by all K of its experts whatever the batch holds. The
+torch path groups the (token, slot) pairs by expert (a stable sort plus bincount) and runs
+each touched expert once on its rows, dequantizing its stored weight on the fly.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+
+import torch
+import torch.nn.functional as F
+
+from engine.ops.device_layer import DeviceSetup, register
+
+
+class MoeOps(ABC):
+    @abstractmethod
+    def forward(self, moe, x: torch.Tensor) -> torch.Tensor:
+        """x [T, D] -> the routed experts' weighted sum plus the shared experts, [T, D]
+        (in x's dtype, or float32 where the next op, a residual add, takes it)."""
+
+
+def routed_experts_forward(
+    experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """x [T, D], weights [T, K] float32, ids [T, K] -> sum_k weights * expert_k(x)  [T, D].
+
+    Experts run in ascending id order and add into the output with index_add_, the same
+    accumulation order as transformers' reference loop, so float32 results agree exactly."""
+    T, K = ids.shape
+    flat = ids.reshape(-1)  # [T*K]
+    order = torch.argsort(flat, stable=True)
+    counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
+    token_of = order // K  # [T*K] token of each sorted pair
+    weight_of = weights.reshape(-1)[order]  # [T*K]
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count == 0:
+            continue
+        rows = token_of[start : start + count]
+        h = x[rows]  # [n, D]
+        act = F.silu(experts.gate_proj(expert, h)) * experts.up_proj(expert, h)  # [n, I]
+        y = experts.down_proj(expert, act) * weight_of[start : start + count, None]  # [n, D]
+        out.index_add_(0, rows, y.to(out.dtype))
+        start += count
+    return out
+
+
+class TorchMoeOps(MoeOps):
+    def forward(self, moe, x):
+        weights, ids = moe.gate(x)  # [T, K] float32, [T, K]
+        if moe.routing_recorder is not None:
+            moe.routing_recorder.record(moe.layer_index, ids, moe.experts.bytes_per_expert())
+        out = routed_experts_forward(moe.experts, x, weights, ids)
+        if moe.shared_experts is not None:
+            out = out + moe.shared_experts(x)
+        return out
+
+
+TORCH_MOE = TorchMoeOps()
+
+
+@register("moe", "cpu")
+def torch_moe_ops(moe, setup: DeviceSetup) -> MoeOps:
+    return TORCH_MOE
