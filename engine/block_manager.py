@@ -8,10 +8,20 @@ from engine.sequence import Sequence
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    """Hands out the cache's blocks 0..num_blocks-1. With `num_reserved`, the cache's last
+    blocks are kept out of the free list for good (`reserved`): the decode CUDA graphs'
+    padding rows write and read there, so they touch no sequence's tokens."""
+
+    def __init__(self, num_blocks: int, block_size: int, num_reserved: int = 0) -> None:
+        if not 0 <= num_reserved < num_blocks:
+            raise ValueError(
+                f"cannot reserve {num_reserved} of {num_blocks} blocks: at least one must "
+                "remain for sequences"
+            )
         self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.free: deque[int] = deque(range(num_blocks))
+        self.num_blocks = num_blocks - num_reserved  # blocks sequences can own
+        self.reserved = tuple(range(self.num_blocks, num_blocks))
+        self.free: deque[int] = deque(range(self.num_blocks))
 
     def blocks_needed(self, seq: Sequence, num_tokens: int) -> int:
         """Blocks to add so the sequence can hold `num_tokens` tokens in total."""

@@ -4,13 +4,13 @@ the logits and the sampler) for a batch padded up to a bucket size.
 A graph replays fixed kernels on fixed memory, so each step's inputs are copied into static
 buffers the graphs were captured on (`DecodeInputs`): token ids, positions, cache slots,
 context lengths, block tables sized for max_model_len, and the per-row sampling
-parameters. Padding rows point at a scratch block kept out of the block manager's hands, so
-their cache writes and attention reads touch nobody's tokens. Per step the host does three
+parameters. Padding rows point at a scratch block the block manager never hands out
+(BlockManager.reserved), so their cache writes and attention reads touch nobody's tokens. Per step the host does three
 small copies, one replay and one read-back of the sampled tokens.
 
 Only decode steps (every sequence has exactly one new token) replay graphs; prefill and
-mixed steps, batches larger than the largest bucket, and steps that must ban tokens
-(min_tokens) run eagerly. Sampled rows draw from the Triton sampler (Philox keyed by the
+mixed steps, batches larger than the largest bucket, and (the model runner's choice) steps
+that must ban tokens (min_tokens) or record routing run eagerly. Sampled rows draw from the Triton sampler (Philox keyed by the
 sequence's seed and output position), so a seeded sequence repeats itself on the GPU; greedy
 rows take the argmax like the eager sampler.
 
@@ -19,6 +19,10 @@ graph also leaves its tokens in one shared `sampled` buffer, and a row whose inp
 still pending names the previous step's row to take it from (SRC_ROWS); the graph gathers it
 on the device. The host staging buffers are double-buffered so that filling step n+1 cannot
 overwrite step n's inputs before their copy has run.
+
+The graph runner knows the model only as the function it captures (`step_logits`: input
+ids, positions and attention context to float32 logits) and the cache only as its geometry
+and scratch block; the model runner builds it and decides when a step replays.
 """
 
 from __future__ import annotations
@@ -26,15 +30,12 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable
-from typing import TYPE_CHECKING
 
 import torch
+from torch import nn
 
 from engine.ops.attention_context import AttentionContext
 from engine.sequence import PENDING_TOKEN, Sequence
-
-if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
 
 log = logging.getLogger(__name__)
 
@@ -170,33 +171,46 @@ class DecodeInputs:
         )
 
 
-def decode_graphs_for(runner: ModelRunner) -> CudaGraphRunner | None:
-    """Graphs for models whose decode step never syncs the host: those whose attention is
-    MLA (its CUDA decode path reads context lengths on the device). Other families' torch
-    attention sizes its work from host-side lengths, so they stay eager."""
+def decode_graphs_apply(model: nn.Module, device: torch.device) -> bool:
+    """Whether `model`'s decode step can be captured: on CUDA, for models whose decode step
+    never syncs the host, those whose attention is MLA (its CUDA decode path reads context
+    lengths on the device). Other families' torch attention sizes its work from host-side
+    lengths, so they stay eager."""
     from engine.layers.mla import MultiLatentAttention
 
-    if runner.device.type != "cuda":
-        return None
-    if not any(isinstance(m, MultiLatentAttention) for m in runner.model.modules()):
-        return None
-    return CudaGraphRunner(runner)
+    if device.type != "cuda":
+        return False
+    return any(isinstance(m, MultiLatentAttention) for m in model.modules())
+
+
+StepLogits = Callable[[torch.Tensor, torch.Tensor, AttentionContext], torch.Tensor]
 
 
 class CudaGraphRunner:
-    """Captures the decode step of `runner`'s model per bucket and replays it. Takes the
-    last KV block as the padding rows' scratch block (runner.num_blocks shrinks by one)."""
+    """Captures the decode step per bucket and replays it. `step_logits(input_ids [B],
+    positions [B], ctx)` runs the model and returns float32 logits [B, V]; the padding rows
+    use `scratch_block`, a cache block no sequence is ever given."""
 
-    def __init__(self, runner: ModelRunner) -> None:
-        if runner.device.type != "cuda":
+    def __init__(
+        self,
+        step_logits: StepLogits,
+        *,
+        device: torch.device,
+        max_num_seqs: int,
+        max_model_len: int,
+        block_size: int,
+        scratch_block: int,
+        main_stream_first: bool,
+    ) -> None:
+        if device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
-        self.runner = runner
-        self.buckets = capture_buckets(runner.config.max_num_seqs)
-        max_blocks = -(-runner.max_model_len // runner.block_size)
-        runner.num_blocks -= 1
-        self.inputs = DecodeInputs(
-            self.buckets[-1], max_blocks, runner.block_size, runner.num_blocks, runner.device
-        )
+        self._step_logits = step_logits
+        self.device = device
+        self.max_model_len = max_model_len
+        self.main_stream_first = main_stream_first
+        self.buckets = capture_buckets(max_num_seqs)
+        max_blocks = -(-max_model_len // block_size)
+        self.inputs = DecodeInputs(self.buckets[-1], max_blocks, block_size, scratch_block, device)
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.tokens: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0
@@ -206,8 +220,8 @@ class CudaGraphRunner:
         # Capture streams, made once: PyTorch hands streams out round-robin from a small
         # pool per priority, so streams made per capture (recapture) would come back as the
         # shared expert's side stream and capture it serialized with the routed experts.
-        self._first = torch.cuda.Stream(runner.device, priority=-1)
-        self._equal = torch.cuda.Stream(runner.device)
+        self._first = torch.cuda.Stream(device, priority=-1)
+        self._equal = torch.cuda.Stream(device)
         self._capture()
 
     def _step(self, bucket: int) -> torch.Tensor:
@@ -215,10 +229,9 @@ class CudaGraphRunner:
         in the shared `sampled` buffer for the next step's pending inputs."""
         from kernels.triton.sampling import sample
 
-        buf, model = self.inputs, self.runner.model
-        ctx = buf.context(bucket, self.runner.max_model_len)
-        hidden = model(buf.input_ids(bucket), buf.ints[POSITIONS, :bucket], ctx)
-        logits = model.compute_logits(hidden)  # [bucket, V] float32
+        buf = self.inputs
+        ctx = buf.context(bucket, self.max_model_len)
+        logits = self._step_logits(buf.input_ids(bucket), buf.ints[POSITIONS, :bucket], ctx)
         tokens = sample(
             logits,
             buf.floats[TEMPERATURE, :bucket],
@@ -242,7 +255,7 @@ class CudaGraphRunner:
         for bucket in chosen:  # released before capturing again
             self.graphs.pop(bucket, None)
             self.tokens.pop(bucket, None)
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(self.device)
         self._capture(chosen)
 
     @torch.inference_mode()
@@ -254,32 +267,24 @@ class CudaGraphRunner:
         # CudaTuning.main_stream_first: the kernels captured on the high-priority stream
         # keep its priority, those on the shared expert's side stream the default; only
         # buckets up to MAIN_STREAM_FIRST_MAX_BATCH use it
-        device = self.runner.device
+        device = self.device
         first, equal = self._first, self._equal
         for bucket in reversed(buckets):  # largest first: later graphs reuse its pool
             self._step(bucket)  # eager once: compiles the kernels for these shapes
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
-            prioritized = (
-                self.runner.config.cuda.main_stream_first and bucket <= MAIN_STREAM_FIRST_MAX_BATCH
-            )
+            prioritized = self.main_stream_first and bucket <= MAIN_STREAM_FIRST_MAX_BATCH
             with torch.cuda.graph(graph, pool=pool, stream=first if prioritized else equal):
                 self.tokens[bucket] = self._step(bucket)
             pool = graph.pool()
             self.graphs[bucket] = graph
-        torch.cuda.synchronize(self.runner.device)
+        torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - start
         log.info("captured decode graphs %s in %.1f s", buckets, self.capture_seconds)
 
-    def can_replay(self, seqs: list[Sequence]) -> bool:
-        """Whether a decode step of these sequences can replay a graph (else it runs eagerly):
-        a bucket holds them, routing is not being recorded, and no row bans tokens."""
-        runner = self.runner
-        if not seqs or bucket_for(len(seqs), self.buckets) is None:
-            return False
-        if getattr(runner.model, "routing_recorder", None) is not None:
-            return False
-        return not any(runner.banned_tokens(s) for s in seqs)
+    def fits(self, num_seqs: int) -> bool:
+        """Whether a captured bucket holds a decode step of num_seqs (> 0) sequences."""
+        return num_seqs > 0 and bucket_for(num_seqs, self.buckets) is not None
 
     def launch(
         self, seqs: list[Sequence], pending_rows: dict[int, int] | None = None

@@ -7,7 +7,6 @@ import time
 from collections import Counter
 from dataclasses import dataclass, field
 
-from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.fault_injection import from_environment as injected_faults
 from engine.model_runner import ModelRunner
@@ -20,15 +19,6 @@ from engine.sequence import Sequence
 log = logging.getLogger(__name__)
 
 _SEED_MIX = 0x9E3779B97F4A7C15  # spreads (seed, index) pairs over the generator's seed space
-
-
-def default_min_prefill_seqs(config: EngineConfig) -> int:
-    """Half the slots: a prefill step's fixed cost (its host launches, ~100 ms at a few
-    thousand tokens on the H200) is paid once per group, against slots idling while the
-    group fills. Half was the fastest group on the H200 (batch 256, FP8 + MXFP4 Moonlight
-    shape, 1,024 requests of 32-256 new tokens, end to end: 18,107-18,417 tok/s, against
-    16,744 for groups of 32 and 13,149 for the whole batch; docs/notes-gpu-engine.md)."""
-    return max(1, config.max_num_seqs // 2)
 
 
 @dataclass
@@ -48,22 +38,15 @@ class LLMEngine:
         self.runner = ModelRunner(config)
         self.tokenizer = self.runner.source.tokenizer
         self.max_model_len = self.runner.max_model_len
-        self.scheduler = Scheduler(
-            BlockManager(self.runner.num_blocks, config.block_size),
-            config.max_num_seqs,
-            config.max_num_batched_tokens,
-            lookahead_slots=config.speculative_tokens,
-            separate_prefill=(
-                self.runner.graphs is not None
-                if config.separate_prefill is None
-                else config.separate_prefill
-            ),
-            min_prefill_seqs=config.min_prefill_seqs or default_min_prefill_seqs(config),
-        )
+        graphs = self.runner.graphs is not None
+        self.scheduler = Scheduler.for_engine(config, self.runner.blocks, decode_graphs=graphs)
         self.requests: dict[str, _RequestState] = {}
         self._unseeded = 0
         self.num_steps = 0
-        self.async_scheduling = self._async_scheduling(config)
+        # None: on where decode steps replay CUDA graphs (the host's work then overlaps them)
+        self.async_scheduling = (
+            graphs if config.async_scheduling is None else config.async_scheduling
+        )
         self._inflight: PendingStep | None = None  # launched, not yet resolved
         # The requests of the step being run and of a launched step still to resolve:
         # after step() raises, the requests its failure concerns.
@@ -73,20 +56,14 @@ class LLMEngine:
         if config.record_routing:
             self.record_routing(True)
 
-    def _async_scheduling(self, config: EngineConfig) -> bool:
-        if config.async_scheduling is None:
-            return self.runner.graphs is not None
-        return config.async_scheduling
-
     def record_routing(self, on: bool) -> bool:
         """Turn routing statistics on or off; False when the model has no routed experts."""
-        model = self.runner.model
-        if not hasattr(model, "routing_recorder"):
-            return False
         from engine.routing_stats import RoutingRecorder
 
-        self.routing_recorder = RoutingRecorder() if on else None
-        model.routing_recorder = self.routing_recorder
+        recorder = RoutingRecorder() if on else None
+        if not self.runner.set_routing_recorder(recorder):
+            return False
+        self.routing_recorder = recorder
         return True
 
     # -- requests -------------------------------------------------------------------
@@ -149,47 +126,44 @@ class LLMEngine:
         """Schedule and run one step; returns the requests that finished. With async
         scheduling a decode step is launched and the previous one resolved, so the tokens
         a step returns are those of the step before it."""
-        finished: list[RequestOutput] = []
-        self.requests_in_step = frozenset(
-            s.request_id for s in (self._inflight.seqs if self._inflight else [])
-        )
-        for seq in self.scheduler.abort_unrunnable():
-            finished.extend(self._fail(seq.request_id, "sequence does not fit the KV cache"))
+        inflight = self._inflight.seqs if self._inflight is not None else []
+        self.requests_in_step = frozenset(s.request_id for s in inflight)
+        finished = self._fail_unfit(self.scheduler.abort_unrunnable())
         batch = self.scheduler.schedule()
-        resolved = False
-        if self._inflight is not None:
-            batch = self._without_length_finished(batch)
-            if batch.seqs and batch.is_decode and self.async_scheduling:
-                # The launched step is recorded before the previous one is resolved, so an
-                # error while resolving cannot lose it.
-                previous, self._inflight = self._inflight, self._launch(batch, self._inflight)
-                finished += self._resolve(previous)
-                return finished
-            # A prefill or mixed step reads its inputs on the host: resolve first, then run
-            # it without the sequences that stopped.
-            finished += self._resolve(self._inflight)
-            self._inflight, resolved = None, True
-            batch = ScheduledBatch(
-                [s for s in batch.seqs if not s.is_finished],
-                [n for s, n in zip(batch.seqs, batch.num_tokens) if not s.is_finished],
-            )
+        if self._inflight is not None:  # async scheduling: a launched step to resolve
+            return finished + self._step_async(batch)
+        return finished + self._run(batch)  # run, then postprocess
+
+    def _run(self, batch: ScheduledBatch, resolved: bool = False) -> list[RequestOutput]:
+        """Run a batch with no step in flight: launch it (an async decode step), or run it
+        and postprocess its tokens. `resolved`: a launched step was resolved just now."""
         if not batch.seqs:
-            # A sequence that outgrew the whole cache mid-decode was just preempted into
-            # the waiting queue: fail its request alone, as the next step would, rather
-            # than the run.
-            unrunnable = self.scheduler.abort_unrunnable()
-            for seq in unrunnable:
-                finished.extend(self._fail(seq.request_id, "sequence does not fit the KV cache"))
-            if self.scheduler.has_work() and not resolved and not unrunnable:
-                raise RuntimeError(
-                    "scheduler made no progress: KV cache too small for any sequence"
-                )
-            return finished
+            return self._nothing_scheduled(resolved)
         if self.async_scheduling and batch.is_decode:
             self._inflight = self._launch(batch, None)
-            return finished
+            return []
         self._begin_step(batch)
-        new_tokens = self.runner.run(batch)
+        return self._postprocess(batch, self.runner.run(batch))
+
+    def _step_async(self, batch: ScheduledBatch) -> list[RequestOutput]:
+        """The async path, a step launched and not resolved: launch this decode step on
+        its tokens, then resolve the launched one. Any other step reads its inputs on the
+        host: resolve first, then run it without the sequences that stopped."""
+        batch = batch.keep(self._may_continue)
+        if batch.seqs and batch.is_decode and self.async_scheduling:
+            # The launched step is recorded before the previous one is resolved, so an
+            # error while resolving cannot lose it.
+            previous, self._inflight = self._inflight, self._launch(batch, self._inflight)
+            return self._resolve(previous)
+        finished = self._resolve(self._inflight)
+        self._inflight = None
+        return finished + self._run(batch.keep(lambda s: not s.is_finished), resolved=True)
+
+    def _postprocess(
+        self, batch: ScheduledBatch, new_tokens: dict[int, list[int]]
+    ) -> list[RequestOutput]:
+        """Append each sequence's new tokens with the stop checks."""
+        finished: list[RequestOutput] = []
         now = time.monotonic()
         for seq in batch.seqs:
             tokens = new_tokens.get(seq.seq_id)
@@ -201,6 +175,22 @@ class LLMEngine:
                 seq.token_ids.append(token)
                 if self._finish_if_done(seq, token, state, now, finished):
                     break
+        return finished
+
+    def _fail_unfit(self, seqs: list[Sequence]) -> list[RequestOutput]:
+        """Fail the requests of sequences that can never fit the whole cache."""
+        finished: list[RequestOutput] = []
+        for seq in seqs:
+            finished.extend(self._fail(seq.request_id, "sequence does not fit the KV cache"))
+        return finished
+
+    def _nothing_scheduled(self, resolved: bool) -> list[RequestOutput]:
+        # A sequence that outgrew the whole cache mid-decode was just preempted into the
+        # waiting queue: fail its request alone, as the next step would, rather than the run.
+        unrunnable = self.scheduler.abort_unrunnable()
+        finished = self._fail_unfit(unrunnable)
+        if self.scheduler.has_work() and not resolved and not unrunnable:
+            raise RuntimeError("scheduler made no progress: KV cache too small for any sequence")
         return finished
 
     def _begin_step(self, batch: ScheduledBatch) -> None:
@@ -218,17 +208,10 @@ class LLMEngine:
         self._begin_step(batch)
         return self.runner.launch(batch, previous)
 
-    def _without_length_finished(self, batch: ScheduledBatch) -> ScheduledBatch:
-        """Drop sequences whose pending token is their last whatever its value (max_tokens
-        or the context reached): another step for them would only be thrown away."""
-        keep = [
-            i
-            for i, s in enumerate(batch.seqs)
-            if s.num_output_tokens < s.params.max_tokens and len(s) < self.max_model_len
-        ]
-        if len(keep) == len(batch.seqs):
-            return batch
-        return ScheduledBatch([batch.seqs[i] for i in keep], [batch.num_tokens[i] for i in keep])
+    def _may_continue(self, seq: Sequence) -> bool:
+        """False when the sequence's pending token is its last whatever its value
+        (max_tokens or the context reached): another step for it would be thrown away."""
+        return seq.num_output_tokens < seq.params.max_tokens and len(seq) < self.max_model_len
 
     def _resolve(self, pending: PendingStep) -> list[RequestOutput]:
         """Write a launched step's tokens in place of its placeholders and make the stop

@@ -1,6 +1,10 @@
-"""Loads the model, owns its KV cache, and runs one scheduled batch: inputs are
-flattened, the model runs once, and the sequences that finished their pending tokens
-get a sampled next token."""
+"""Loads the model, owns its KV cache (the tensors and the `BlockManager` handing out
+their blocks), and runs one scheduled batch: inputs are flattened, the model runs once,
+and the sequences that finished their pending tokens get a sampled next token.
+
+It builds the CUDA graph runner and the MTP speculator and hands each the buffers and
+callables it needs (the model's logits function, the input builder, the token ban), so
+neither of them knows the model runner."""
 
 from __future__ import annotations
 
@@ -9,6 +13,7 @@ import logging
 import psutil
 import torch
 
+from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.loader import ModelSource, open_model_source
 from engine.models.base import CausalLM
@@ -37,20 +42,68 @@ class ModelRunner:
         self.eos_token_ids: list[int] = self._eos_token_ids()
         self.graphs = None
         self.speculator = None
+        self.routing_recorder = None  # set_routing_recorder
         if config.speculative_tokens:
             from engine.spec_decode.speculator import MtpSpeculator
 
-            self.speculator = MtpSpeculator(self, config.speculative_tokens)
+            self.speculator = MtpSpeculator(
+                self.model,
+                config.speculative_tokens,
+                build_inputs=self.build_inputs,
+                banned_tokens=self.banned_tokens,
+                max_model_len=self.max_model_len,
+            )
         if self.device.type == "cuda":  # GPU backend setup (engine/backends/cuda.py)
             from engine.backends.cuda import prepare_model
 
             prepare_model(self.model, self.dtype, self.max_model_len, config.cuda)
-        self.num_blocks = self._allocate_kv_cache()
-        if self.device.type == "cuda" and not config.record_routing and self.speculator is None:
-            # Decode steps replay CUDA graphs (engine/cuda_graph_runner.py); takes one block.
-            from engine.cuda_graph_runner import decode_graphs_for
+        kv_blocks = self._allocate_kv_cache()
+        decode_graphs = self._decode_graphs_apply()
+        # The one place the scratch block is decided: the decode graphs' padding rows write
+        # and read the cache's last block, which the block manager never hands out.
+        self.blocks = BlockManager(kv_blocks, self.block_size, num_reserved=int(decode_graphs))
+        if decode_graphs:  # decode steps replay CUDA graphs (engine/cuda_graph_runner.py)
+            from engine.cuda_graph_runner import CudaGraphRunner
 
-            self.graphs = decode_graphs_for(self)
+            self.graphs = CudaGraphRunner(
+                self._step_logits,
+                device=self.device,
+                max_num_seqs=config.max_num_seqs,
+                max_model_len=self.max_model_len,
+                block_size=self.block_size,
+                scratch_block=self.blocks.reserved[0],
+                main_stream_first=config.cuda.main_stream_first,
+            )
+
+    @property
+    def num_blocks(self) -> int:
+        """KV cache blocks sequences can own (the graphs' scratch block not counted)."""
+        return self.blocks.num_blocks
+
+    def _decode_graphs_apply(self) -> bool:
+        """CUDA graphs for the decode step, where the model allows them, unless routing is
+        recorded from the start or steps verify speculative drafts (rows of several tokens):
+        those steps run eagerly."""
+        if self.device.type != "cuda" or self.config.record_routing or self.speculator is not None:
+            return False
+        from engine.cuda_graph_runner import decode_graphs_apply
+
+        return decode_graphs_apply(self.model, self.device)
+
+    def _step_logits(
+        self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """The model's forward and logits of every row: what a decode graph captures."""
+        return self.model.compute_logits(self.model(input_ids, positions, ctx))  # [T, V]
+
+    def set_routing_recorder(self, recorder) -> bool:
+        """Record the model's routing into `recorder` (None: stop). False, and nothing set,
+        when the model has no routed experts. While one records, decode steps run eagerly."""
+        if not hasattr(self.model, "routing_recorder"):
+            return False
+        self.model.routing_recorder = recorder
+        self.routing_recorder = recorder
+        return True
 
     def _build_model(self, source: ModelSource) -> CausalLM:
         cls = model_class_for(source.config)
@@ -168,7 +221,7 @@ class ModelRunner:
         (one each, or several when speculative drafts were accepted)."""
         if self.speculator is not None:
             return self.speculator.run(batch)
-        if self.graphs is not None and batch.is_decode and self.graphs.can_replay(batch.seqs):
+        if batch.is_decode and self._replays(batch.seqs):
             # CUDA graphs: one replay runs the whole decode step (engine/cuda_graph_runner.py)
             tokens = self.graphs.launch(batch.seqs)()
             return {s.seq_id: [t] for s, t in zip(batch.seqs, tokens)}
@@ -181,7 +234,7 @@ class ModelRunner:
         PENDING_TOKEN now. `previous` is the step launched before this one, not resolved
         yet; its pending tokens are this step's inputs."""
         seqs = batch.seqs
-        on_graph = self.graphs is not None and self.graphs.can_replay(seqs)
+        on_graph = self._replays(seqs)
         chained = previous is not None and previous.device_rows and on_graph
         if previous is not None and not chained:
             previous.write_tokens()  # this step reads its inputs on the host
@@ -196,6 +249,17 @@ class ModelRunner:
         for seq in seqs:
             seq.token_ids.append(PENDING_TOKEN)
         return pending
+
+    def _replays(self, seqs: list[Sequence]) -> bool:
+        """Whether a decode step of these sequences replays a graph (else it runs eagerly):
+        a bucket holds them, routing is not being recorded, and no row bans tokens (the
+        graphs' sampler applies no ban)."""
+        return (
+            self.graphs is not None
+            and self.graphs.fits(len(seqs))
+            and self.routing_recorder is None
+            and not any(self.banned_tokens(s) for s in seqs)
+        )
 
     def _run_eager(self, batch: ScheduledBatch) -> dict[int, list[int]]:
         input_ids, positions, ctx = self.prepare(batch)

@@ -12,6 +12,10 @@ Two policies, both under max_num_batched_tokens:
   while the freed slots idle for a few decode steps. A prefill chunked over several steps
   finishes before decoding resumes.
 
+`Scheduler.for_engine` picks the policy from the engine's settings: separate_prefill where
+decode steps replay CUDA graphs unless the config says otherwise, in groups of half the
+slots by default (`default_min_prefill_seqs`).
+
 When the cache runs out, the most recently admitted sequence is preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed later (its generated
 tokens are kept, so nothing is lost).
@@ -23,7 +27,16 @@ from collections import Counter, deque
 from dataclasses import dataclass
 
 from engine.block_manager import BlockManager
+from engine.config import EngineConfig
 from engine.sequence import Sequence, Status
+
+
+def default_min_prefill_seqs(max_num_seqs: int) -> int:
+    """Half the slots: a prefill step's fixed cost (its host launches, ~100 ms at a few
+    thousand tokens on the H200) is paid once per group, against slots idling while the
+    group fills; half balances the two best end to end (docs/notes-gpu-engine.md has the
+    group sizes measured)."""
+    return max(1, max_num_seqs // 2)
 
 
 @dataclass
@@ -36,6 +49,13 @@ class ScheduledBatch:
         return all(
             n == 1 and s.num_computed == len(s) - 1 for s, n in zip(self.seqs, self.num_tokens)
         )
+
+    def keep(self, wanted) -> ScheduledBatch:
+        """The batch without the sequences `wanted(seq)` is false for (itself when none)."""
+        keep = [i for i, s in enumerate(self.seqs) if wanted(s)]
+        if len(keep) == len(self.seqs):
+            return self
+        return ScheduledBatch([self.seqs[i] for i in keep], [self.num_tokens[i] for i in keep])
 
 
 class Scheduler:
@@ -61,6 +81,24 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+
+    @classmethod
+    def for_engine(
+        cls, config: EngineConfig, blocks: BlockManager, decode_graphs: bool
+    ) -> Scheduler:
+        """The engine's scheduler: separate_prefill None means on exactly when decode steps
+        replay CUDA graphs (a mixed step cannot), min_prefill_seqs None half the slots, and
+        each sequence keeps cache room for its speculative drafts."""
+        separate = decode_graphs if config.separate_prefill is None else config.separate_prefill
+        return cls(
+            blocks,
+            config.max_num_seqs,
+            config.max_num_batched_tokens,
+            lookahead_slots=config.speculative_tokens,
+            separate_prefill=separate,
+            min_prefill_seqs=config.min_prefill_seqs
+            or default_min_prefill_seqs(config.max_num_seqs),
+        )
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)

@@ -15,34 +15,59 @@ K drafts (K+1 rows at positions p..p+K). Then:
 
 The scheduler gives each running sequence blocks for K extra positions (drafts and the
 MTP layer's speculative cache writes).
+
+The speculator gets what it uses, not the model runner: the model (the target's forward
+and logits, and its MTP layer), the function that flattens a step's rows into inputs and
+an attention context, the per-sequence token ban (min_tokens) and the context length.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import torch
 
+from engine.ops.attention_context import AttentionContext
 from engine.sampler import filter_logits, sample
+from engine.sequence import Sequence
 from engine.spec_decode.acceptance import AcceptanceStats, greedy_accept, rejection_sample
 from engine.spec_decode.mtp import MtpDrafter
 
 if TYPE_CHECKING:
-    from engine.model_runner import ModelRunner
+    from engine.models.base import CausalLM
     from engine.scheduler import ScheduledBatch
-    from engine.sequence import Sequence
+
+# (sequence, first position, number of rows) per sequence -> (input_ids [T], positions [T],
+# the attention context of those rows)
+BuildInputs = Callable[
+    [list[tuple[Sequence, int, int]]], tuple[torch.Tensor, torch.Tensor, AttentionContext]
+]
 
 
 class MtpSpeculator:
-    def __init__(self, runner: ModelRunner, num_draft_tokens: int) -> None:
-        self.runner = runner
+    def __init__(
+        self,
+        model: CausalLM,
+        num_draft_tokens: int,
+        *,
+        build_inputs: BuildInputs,
+        banned_tokens: Callable[[Sequence], list[int]],
+        max_model_len: int,
+    ) -> None:
+        self.model = model
         self.num_draft_tokens = num_draft_tokens
-        self.drafter = MtpDrafter(runner.model, num_draft_tokens)
+        self.build_inputs = build_inputs
+        self.banned_tokens = banned_tokens
+        self.max_model_len = max_model_len
+        self.drafter = MtpDrafter(model, num_draft_tokens)
         self.stats = AcceptanceStats()
 
     def run(self, batch: ScheduledBatch) -> dict[int, list[int]]:
-        runner, model = self.runner, self.runner.model
-        input_ids, positions, ctx = runner.prepare(batch)
+        model = self.model
+        # a sequence's rows: its uncomputed tokens, then its drafts
+        items = [(s, s.num_computed, n) for s, n in zip(batch.seqs, batch.num_tokens)]
+        input_ids, positions, ctx = self.build_inputs(items)
         hidden = model(input_ids, positions, ctx)  # [T, D]
         emitted: dict[int, list[int]] = {}
         valid_items: list[tuple[Sequence, int, int]] = []
@@ -71,10 +96,10 @@ class MtpSpeculator:
         drafts = seq.draft_tokens
         if start + n - len(drafts) < len(seq):
             return []  # mid-prefill chunk
-        model = self.runner.model
+        model = self.model
         if not drafts:
             logits = model.compute_logits(hidden[rows[-1:]])
-            banned = self.runner.banned_tokens(seq)
+            banned = self.banned_tokens(seq)
             return sample(
                 logits, [seq.params], [seq.sample_seed or 0], [seq.num_output_tokens], [banned]
             )
@@ -95,8 +120,7 @@ class MtpSpeculator:
         items = [(s, start, n) for s, start, n in valid_items if n > 0]
         if not items:
             return
-        runner = self.runner
-        _, positions, ctx = runner.build_inputs(items)
+        _, positions, ctx = self.build_inputs(items)
         rows = torch.tensor(valid_rows, device=hidden.device)
         temps = torch.tensor([s.params.temperature for s, _, _ in items], device=hidden.device)
         proposal = self.drafter.propose(
@@ -109,10 +133,10 @@ class MtpSpeculator:
         for b, (seq, _, _) in enumerate(items):
             # No drafts while min_tokens bans EOS/stop ids: verification (greedy_accept,
             # rejection_sample) does not apply the ban, so a drafted EOS could be accepted.
-            if seq.seq_id not in emitted or runner.banned_tokens(seq):
+            if seq.seq_id not in emitted or self.banned_tokens(seq):
                 continue
             new = len(emitted[seq.seq_id])
-            room = runner.max_model_len - 1 - (len(seq) + new)
+            room = self.max_model_len - 1 - (len(seq) + new)
             left = seq.params.max_tokens - (seq.num_output_tokens + new)  # tokens still allowed
             k = max(0, min(self.num_draft_tokens, room, left - 1))
             seq.draft_tokens = proposal.tokens[b, :k].tolist()

@@ -96,3 +96,33 @@ def test_off_without_decode_graphs_and_groups_of_half_the_slots(tiny_llama):
     assert llm.engine.runner.graphs is None  # the CPU: every step is eager anyway
     assert not llm.engine.scheduler.separate_prefill
     assert llm.engine.scheduler.min_prefill_seqs == 32
+
+
+@pytest.mark.parametrize(
+    ("options", "graphs", "separate", "group"),
+    [
+        ({}, True, True, 32),  # decode graphs: prefill steps apart, half the slots a group
+        ({}, False, False, 32),
+        ({"separate_prefill": False}, True, False, 32),
+        ({"separate_prefill": True, "min_prefill_seqs": 5}, False, True, 5),
+        ({"max_num_seqs": 1}, True, True, 1),
+    ],
+)
+def test_the_engine_policy_comes_from_the_config_and_the_graphs(options, graphs, separate, group):
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+
+    config = EngineConfig(model="x", **{"max_num_seqs": 64, **options})
+    scheduler = Scheduler.for_engine(config, BlockManager(8, 16), decode_graphs=graphs)
+    assert scheduler.separate_prefill is separate
+    assert scheduler.min_prefill_seqs == group
+    assert scheduler.max_num_seqs == config.max_num_seqs
+    assert scheduler.max_num_batched_tokens == config.max_num_batched_tokens
+
+
+def test_speculative_tokens_keep_cache_room_ahead():
+    from engine.block_manager import BlockManager
+    from engine.scheduler import Scheduler
+
+    config = EngineConfig(model="x", speculative_tokens=3)
+    assert Scheduler.for_engine(config, BlockManager(8, 16), False).lookahead_slots == 3
