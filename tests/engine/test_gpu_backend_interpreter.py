@@ -100,7 +100,8 @@ def test_moe_forward_matches_the_torch_path(tiny_model, tokens):
     gen = torch.Generator().manual_seed(1)
     x = torch.randn(tokens, moe.gate.weight.shape[1], generator=gen).bfloat16()
     want = TORCH_MOE.forward(moe, x).float()
-    assert (ops.prologue(moe, x) is not None) == (tokens <= PROLOGUE_MAX_TOKENS)
+    prologue = ops.prologue(moe, x, ops.launch_config(x))
+    assert (prologue is not None) == (tokens <= PROLOGUE_MAX_TOKENS)
     got = moe(x)
     assert got.dtype == torch.float32  # the accumulator itself: the next norm adds it
     assert relative_error(got, want) < 2e-2
@@ -124,14 +125,14 @@ def test_moe_forward_with_a_dequant_config_matches_the_torch_path(tiny_model, to
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(tokens, moe.gate.weight.shape[1], generator=gen).bfloat16()
     want = TORCH_MOE.forward(moe, x).float()
-    assert ops.prologue(moe, x) is None
+    assert ops.prologue(moe, x, ops.launch_config(x)) is None
     assert relative_error(moe(x), want) < 2e-2
 
 
 def test_moe_forward_takes_an_empty_batch(tiny_model):
     moe, ops = _first_moe(tiny_model)
     x = torch.zeros(0, moe.gate.weight.shape[1], dtype=torch.bfloat16)
-    assert ops.prologue(moe, x) is None
+    assert ops.prologue(moe, x, None) is None
     assert moe(x).shape == x.shape
 
 

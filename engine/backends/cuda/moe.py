@@ -67,6 +67,7 @@ class CudaMoeOps(MoeOps):
             )
         gate = moe.gate
         self.routing = routing_args(gate.spec, gate.e_score_correction_bias)
+        self.routing_top_k = gate.spec.top_k
 
     def uses_kernels(self, x: torch.Tensor) -> bool:
         return self.fused is not None and x.dtype in KERNEL_DTYPES
@@ -87,14 +88,17 @@ class CudaMoeOps(MoeOps):
         side = fused and shared is not None and self.stream is not None
         pending = start_shared_expert(x, shared, self.stream) if side else None
         try:
-            prologue = self.prologue(moe, x)
+            config = self.launch_config(x) if fused and x.shape[0] else None
+            prologue = self.prologue(moe, x, config)
             if prologue is not None:
                 weights, ids = prologue.topk_weights, prologue.topk_ids
             else:
                 weights, ids = self.route(moe, x)
             if moe.routing_recorder is not None:
                 moe.routing_recorder.record(moe.layer_index, ids, moe.experts.bytes_per_expert())
-            out = self.routed_experts(moe.experts, x, weights, ids, pending or shared, prologue)
+            out = self.routed_experts(
+                moe.experts, x, weights, ids, pending or shared, prologue, config
+            )
         finally:
             if pending is not None:
                 pending.join()
@@ -114,37 +118,41 @@ class CudaMoeOps(MoeOps):
             return moe_gate_route(x.contiguous(), gate_weight.contiguous(), **self.routing)
         return moe_route(F.linear(x.float(), gate_weight).contiguous(), **self.routing)
 
-    def prologue(self, moe, x: torch.Tensor):
-        """At decode sizes on the fused path: routing, pair grouping, x's int8 quantization
-        and the accumulator's zeroing in one launch (kernels/triton/moe_prologue.py), as a
-        MoePrologue for fused_moe; else None (the router and fused_moe launch their own).
-        The tile it groups for is the one fused_moe picks for the same shape."""
+    def launch_config(self, x: torch.Tensor) -> dict:
+        """The fused kernels' launch config for this step's shape: looked up once, for
+        the prologue's grouping and the kernels alike."""
         from kernels.triton.fused_moe import choose_config
-        from kernels.triton.moe_prologue import PROLOGUE_MAX_TOKENS, moe_prologue
 
-        decode_sized = 1 <= x.shape[0] <= PROLOGUE_MAX_TOKENS
-        if not decode_sized or self.routing is None or not self.uses_kernels(x):
-            return None
         fused = self.fused
         t, d = x.shape
         e = fused.w13.shape[0]
         i = fused.w2.shape[-1] * (2 if fused.fmt == "mxfp4" else 1)
-        cfg = choose_config(t, self.routing["top_k"], e, d, i, fused.fmt, x.device)
-        if cfg.get("KERNEL") == "dequant":  # a prefill-sized choice: fused_moe aligns itself
+        return choose_config(t, self.routing_top_k, e, d, i, fused.fmt, x.device)
+
+    def prologue(self, moe, x: torch.Tensor, config: dict | None):
+        """At decode sizes on the fused path: routing, pair grouping, x's int8 quantization
+        and the accumulator's zeroing in one launch (kernels/triton/moe_prologue.py), as a
+        MoePrologue for fused_moe; else None (the router and fused_moe launch their own)."""
+        from kernels.triton.moe_prologue import PROLOGUE_MAX_TOKENS, moe_prologue
+
+        decode_sized = 1 <= x.shape[0] <= PROLOGUE_MAX_TOKENS
+        if not decode_sized or self.routing is None or config is None:
+            return None
+        if config.get("KERNEL") == "dequant":  # a prefill-sized choice: fused_moe aligns itself
             return None
         return moe_prologue(
             x,
             moe.gate.weight.contiguous(),
-            block_m=cfg["BLOCK_M"],
-            quantize_int8=cfg.get("KERNEL") == "int8",
+            block_m=config["BLOCK_M"],
+            quantize_int8=config.get("KERNEL") == "int8",
             **self.routing,
         )
 
-    def routed_experts(self, experts, x, weights, ids, shared=None, prologue=None):
+    def routed_experts(self, experts, x, weights, ids, shared=None, prologue=None, config=None):
         """Routed experts' weighted sum; `shared` (a fused_moe.SharedExpert, or a
         PendingSharedExpert already running on the side stream) is added in the same
         kernels when the fused path runs, else the caller adds it. `prologue`: the
-        prologue's, if any."""
+        prologue's, if any; `config`: launch_config's (looked up here when None)."""
         if self.uses_kernels(x):
             from kernels.triton.fused_moe import fused_moe
 
@@ -162,6 +170,7 @@ class CudaMoeOps(MoeOps):
                 out_dtype=torch.float32,
                 shared_stream=self.stream,
                 prologue=prologue,
+                config=config,
             )
         if experts.gate_proj.format.name == "unquantized":
             return gathered_experts(experts, x, weights, ids)
