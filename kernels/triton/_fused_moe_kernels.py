@@ -513,3 +513,22 @@ def moe_down_kernel(
             acc = acc * tl.load(topk_weights_ptr + pairs, mask=mask_m, other=0.0)[:, None]
         y_out = y_ptr + tokens[:, None] * stride_yt + offs_n[None, :]
         tl.atomic_add(y_out, acc, mask=mask_m[:, None] & mask_n[None, :], sem="relaxed")
+
+
+@triton.jit
+def ordered_pair_sum_kernel(
+    pairs_ptr,  # [T * TOPK, D] float32: each (token, slot) pair's weighted expert output
+    y_ptr,  # [T, D] float32
+    D,
+    TOPK: tl.constexpr,
+    BLOCK_D: tl.constexpr,
+):
+    """y[t] = pairs[t*TOPK] + pairs[t*TOPK + 1] + ... in slot order: the combine whose
+    result does not depend on which expert tile finished first."""
+    t = tl.program_id(0).to(tl.int64)
+    offs = tl.program_id(1) * BLOCK_D + tl.arange(0, BLOCK_D)
+    mask = offs < D
+    acc = tl.load(pairs_ptr + t * TOPK * D + offs, mask=mask, other=0.0)
+    for a in tl.static_range(1, TOPK):
+        acc += tl.load(pairs_ptr + (t * TOPK + a) * D + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + t * D + offs, acc, mask=mask)

@@ -1,5 +1,7 @@
-"""FP8 block-scaled linear: y [M, N] = x [M, K] @ W^T, W stored as E4M3 codes [N, K] with
-one scale per 128x128 block (DeepSeek V3 `weight_scale_inv` float32, or V4 E8M0 uint8).
+"""FP8 block-scaled linear: y [M, OUT] = x [M, IN] @ W^T, W stored as E4M3 codes [OUT, IN]
+with one scale per 128x128 block (DeepSeek V3 `weight_scale_inv` float32, or V4 E8M0
+uint8). Legend: docs/shapes.md (the code's n, k and the kernels' N, K are OUT and IN).
+Torch twins: kernels/reference/fp8_linear.py; @triton.jit bodies: _fp8_linear_kernels.py.
 
 The default path loads the 1-byte codes, converts them to bf16 in registers (exact) and
 never writes a bf16 weight to memory; it runs on any GPU Triton supports (Ampere too).
@@ -110,6 +112,18 @@ def default_config(m: int, n: int, k: int, device: torch.device, native_fp8: boo
         num_warps=8 if block_m * block_n >= 128 * 128 else 4,
         num_stages=3,
     )
+
+
+def fixed_config(n: int, k: int, device: torch.device) -> dict:
+    """A config chosen from N and K alone, for callers that need a row's bits not to depend
+    on how many rows it is computed with: always the bf16-decode dot kernel (no GEMV, no
+    native FP8, which are picked by M), 16-row tiles, and a K split fixed per shape (the
+    partials are summed in split order)."""
+    block_n, block_k = 64, 128
+    split = max(1, min(triton.cdiv(4 * sm_count(device), triton.cdiv(n, block_n)),
+                       triton.cdiv(k, block_k) // 4))  # fmt: skip
+    return dict(KERNEL="dot", BLOCK_M=16, BLOCK_N=block_n, BLOCK_K=block_k, SPLIT_K=split,
+                num_warps=4, num_stages=4)  # fmt: skip
 
 
 def shape_key(m: int, n: int, k: int, native_fp8: bool) -> str:
@@ -223,7 +237,7 @@ def fp8_gemv_rmsnorm(
     """(RMSNorm(x + residual) @ dequant(weight)^T, x + residual) in one launch, the pair
     kernels/triton/rmsnorm.py and fp8_gemv give in two: x [M, K] float32 or the residual's
     dtype, residual [M, K] bf16/fp16, norm_weight [K]. Both results in the residual's
-    dtype."""
+    dtype. Torch twin: kernels/reference/fp8_linear.fp8_gemv_rmsnorm_reference."""
     m, k = x.shape
     assert residual.shape == (m, k) and residual.stride(-1) == 1, (
         f"residual must be a row-major [{m}, {k}], got {list(residual.shape)}"

@@ -1,17 +1,17 @@
 """Fused MoE for routed experts (and optionally the shared expert) in three or four
 launches:
 
-Legend: T tokens, D hidden, I expert intermediate, E experts, A experts per token,
-P = T*A (token, expert) pairs.
+Legend: docs/shapes.md (T tokens, D hidden, I expert intermediate, E experts, K experts
+per token; T*K (token, expert) pairs). Torch twin: kernels/reference/fused_moe.py.
 
-  1. moe_align groups the P pairs by expert, padded to BLOCK_M tiles (one Triton launch
+  1. moe_align groups the T*K pairs by expert, padded to BLOCK_M tiles (one Triton launch
      for one chunk of pairs, two above; no sync), and zeroes the float32 accumulator
      y [T, D] in the same launch. At decode sizes the caller may instead pass
      moe_prologue's result, whose one launch also routed the tokens (`prologue=`).
   2. gate+up: one GEMM over the stacked [E, 2I, D] weight (gate rows first, then up),
-     SiLU(gate) * up fused in the epilogue -> h [P, I].
+     SiLU(gate) * up fused in the epilogue -> h [T*K, I].
   3. down: h @ W2[e]^T over [E, D, I], times the pair's routing weight, atomically added
-     into the token's row of y (the combine, no [P, D] buffer and no reduction launch;
+     into the token's row of y (the combine, no [T*K, D] buffer and no reduction launch;
      optionally split along K, the splits meeting in the same atomics).
   4. y -> x's dtype, unless the caller takes the float32 y (out_dtype), as the engine does:
      its next step is the fused RMSNorm's residual add.
@@ -53,8 +53,12 @@ import triton
 
 from kernels.triton import configs
 from kernels.triton._arrival_counters import arrival_counters
-from kernels.triton._common import check_device, interpreting
-from kernels.triton._fused_moe_kernels import moe_down_kernel, moe_gate_up_kernel
+from kernels.triton._common import check_device, interpreting, next_pow2
+from kernels.triton._fused_moe_kernels import (
+    moe_down_kernel,
+    moe_gate_up_kernel,
+    ordered_pair_sum_kernel,
+)
 from kernels.triton._moe_int8_kernels import (
     INT8_QUANT_BLOCK,
     act_quant_int8_kernel,
@@ -116,7 +120,7 @@ def start_shared_expert(
 def dense_config(num_tokens: int, d: int, i: int, fmt: str, device=None) -> dict:
     """Shared-expert launches at decode sizes (the caller keeps larger T on cuBLAS): the
     tuned entry for one expert taken by every token (`bench kernels` times it as a routed
-    MoE of E=1, A=1: the same tiles), else narrow N tiles so a single expert's rows still
+    MoE of E=1, K=1: the same tiles), else narrow N tiles so a single expert's rows still
     spread over ~1 wave of programs."""
     tuned = configs.lookup(OP, shape_key(num_tokens, 1, 1, d, i, fmt), device)
     if tuned is not None:
@@ -214,10 +218,11 @@ def fused_moe(
     out_dtype: torch.dtype | None = None,
     shared_stream: torch.cuda.Stream | None = None,
     prologue: MoePrologue | None = None,
+    ordered_combine: bool = False,
 ) -> torch.Tensor:
     """x [T, D] bf16/fp16; w13 [E, 2I, D] (gate rows, then up rows); w2 [E, D, I];
-    topk_weights [T, A] float32; topk_ids [T, A] int. Returns [T, D] in out_dtype (default
-    x's dtype): sum_a topk_weights[t, a] * down(silu(gate(x_t)) * up(x_t)) of expert
+    topk_weights [T, K] float32; topk_ids [T, K] int. Returns [T, D] in out_dtype (default
+    x's dtype): sum_k topk_weights[t, k] * down(silu(gate(x_t)) * up(x_t)) of expert
     topk_ids[t, a], plus shared(x_t) when a shared expert is given. out_dtype float32
     returns the combine's accumulator itself (no cast launch).
 
@@ -227,6 +232,12 @@ def fused_moe(
     the two chains overlap; the caller's stream waits for the side stream before return.
     A PendingSharedExpert (start_shared_expert's) as `shared`: its gate+up already runs on
     its stream, from before the caller's routing; its down joins the accumulator here.
+
+    ordered_combine: each (token, slot) pair's output is written to a row of its own and
+    the slots are summed in order by one more launch, instead of atomically added in the
+    order the expert tiles finish; with a fixed config (fixed_config) a token's result
+    then depends on nothing but its own routing. Takes no prologue, no shared expert, no
+    int8 or dequant config and no K split.
 
     prologue: moe_prologue's launch already routed (topk_weights and topk_ids are then
     its own), grouped the pairs for `config` (choose_config's), quantized x if that is an
@@ -239,7 +250,7 @@ def fused_moe(
     _check_weight("w13", w13, w13_scale, fmt, e, 2 * i, d)
     _check_weight("w2", w2, w2_scale, fmt, e, d, i)
     assert topk_ids.shape == topk_weights.shape and topk_ids.shape[0] == t, (
-        f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must be [T={t}, A]"
+        f"topk_ids {list(topk_ids.shape)} and topk_weights {list(topk_weights.shape)} must be [T={t}, K]"
     )
     check_device(x, w13, w2, topk_weights, topk_ids)
     top_k = topk_ids.shape[1]
@@ -262,6 +273,15 @@ def fused_moe(
             )  # fmt: skip
         cfg = default_config(t * top_k, e, fmt)
     int8 = cfg.get("KERNEL") == "int8"
+    if ordered_combine:
+        assert prologue is None and shared is None and not int8, (
+            "ordered_combine takes no prologue, no shared expert and no int8 config"
+        )
+        assert down_config(cfg).get("SPLIT_K", 1) == 1 and cfg.get("GU_SPLIT_K", 1) == 1, (
+            "ordered_combine takes no K split"
+        )
+        return _ordered_moe(x, w13, w2, topk_weights, topk_ids, fmt, w13_scale, w2_scale, cfg,
+                            out_dtype)  # fmt: skip
     if prologue is None:
         y = torch.empty((t, d), dtype=torch.float32, device=x.device)  # zeroed by moe_align
         align = moe_align(topk_ids, e, cfg["BLOCK_M"], zero=y)
@@ -344,6 +364,47 @@ def fused_moe(
         if pending is not None:
             pending.join()
     return y if out_dtype == torch.float32 else y.to(out_dtype or x.dtype)
+
+
+def _ordered_moe(x, w13, w2, topk_weights, topk_ids, fmt, w13_scale, w2_scale, cfg, out_dtype):
+    """fused_moe with ordered_combine: gate+up as usual, the down launch writing pair rows
+    (TOPK 1 makes each pair its own "token"), then the in-order slot sum."""
+    t, d = x.shape
+    top_k = topk_ids.shape[1]
+    e = w13.shape[0]
+    i = w2.shape[-1] * (2 if fmt == "mxfp4" else 1)
+    pair_rows = torch.empty((t * top_k, d), dtype=torch.float32, device=x.device)
+    align = moe_align(topk_ids, e, cfg["BLOCK_M"], zero=pair_rows)
+    p, max_blocks = align.num_pairs, align.block_expert.numel()
+    route_w = topk_weights.reshape(-1).to(torch.float32).contiguous()
+    h = torch.empty((p, i), dtype=x.dtype, device=x.device)
+    s13, *s13_strides = _scale_args(w13, w13_scale, expert_dim=True)
+    s2, *s2_strides = _scale_args(w2, w2_scale, expert_dim=True)
+    pairs, groups = align.sorted_pairs, align.block_expert
+    moe_gate_up_kernel[(max_blocks, _gate_up_tiles(i, cfg), 1)](
+        x, w13, s13, h, pairs, groups, *_gate_up_split_buffers(max_blocks, i, cfg, h),
+        p, d, i,
+        x.stride(0), w13.stride(0), w13.stride(1), *s13_strides, h.stride(0),
+        TOPK=top_k, WFMT=_wfmt(fmt, w13_scale), DENSE=False, GU_SPLIT_K=1, **_launch_meta(cfg),
+    )  # fmt: skip
+    down = down_config(cfg)
+    moe_down_kernel[(max_blocks, triton.cdiv(d, down["BLOCK_N"]), 1)](
+        h, w2, s2, route_w, pair_rows, pairs, groups,
+        p, d, i,
+        h.stride(0), w2.stride(0), w2.stride(1), *s2_strides, pair_rows.stride(0),
+        TOPK=1, WFMT=_wfmt(fmt, w2_scale), DENSE=False, SPLIT_K=1, **_launch_meta(down),
+    )  # fmt: skip
+    y = torch.empty((t, d), dtype=torch.float32, device=x.device)
+    block_d = min(1024, next_pow2(d))
+    ordered_pair_sum_kernel[(t, triton.cdiv(d, block_d))](pair_rows, y, d, TOPK=top_k,
+                                                          BLOCK_D=block_d)  # fmt: skip
+    return y if out_dtype == torch.float32 else y.to(out_dtype or x.dtype)
+
+
+def fixed_config(fmt: str) -> dict:
+    """One config for every token count (the decode heuristic's): with ordered_combine, a
+    token's bits do not depend on how many tokens the call holds."""
+    return default_config(1, 1, fmt)
 
 
 def choose_config(
