@@ -381,3 +381,36 @@ def test_input_norm_folded_into_the_fp8_q_kv_a_gemv(tmp_path, monkeypatch):
     ctx, positions = runner.context([(0, 1)])
     acc, residual = torch.randn(1, d, generator=gen), torch.randn(1, d, generator=gen).bfloat16()
     assert attn.forward_with_input_norm(norm, acc, residual, positions, ctx) is None
+
+
+@pytest.mark.parametrize("experts", ["bf16", "mxfp4"])
+def test_batch_invariant_cuda_ops_give_a_sequence_the_same_logits_however_it_is_stepped(
+    tmp_path, experts
+):
+    # batch_invariant: every launch's configuration is fixed by its weights' shape and
+    # every query attends through the decode kernel, so a sequence's logits are the same
+    # bits whether its tokens arrive in one prefill, in chunks, one decode row at a time,
+    # alone or among other sequences.
+    make_random_checkpoint(tmp_path, preset="tiny", expert_dtype=experts, dense_dtype="fp8",
+                           seed=12, device="cpu", mtp=False)  # fmt: skip
+    model = _bf16_model(tmp_path)
+    tuning = CudaTuning(shared_expert_stream=False)
+    prepare_model(model, DeviceSetup(torch.device("cuda"), torch.bfloat16, 64, tuning))
+    assert all(m.ops.invariant for m in model.modules() if isinstance(m, (DeepseekMoE, CudaMlaOps)))
+    gen = torch.Generator().manual_seed(13)
+    tokens = torch.randint(0, 200, (9,), generator=gen).tolist()
+    other = torch.randint(0, 200, (6,), generator=gen).tolist()
+
+    whole = PagedRunner(model, seed=1).step([(0, tokens)])[0]
+    chunked = PagedRunner(model, seed=2)
+    parts = chunked.step([(0, tokens[:4])])[0], chunked.step([(0, tokens[4:])])[0]
+    decoded = PagedRunner(model, seed=3)
+    rows = [decoded.step([(0, tokens[:5])])[0]]
+    rows += [decoded.step([(0, [t])])[0] for t in tokens[5:]]
+    crowded = PagedRunner(model, seed=4)
+    crowded.step([(1, other[:3]), (0, tokens[:6]), (2, other)])
+    last = [crowded.step([(2, [7]), (0, [t]), (1, [5, 6])])[1] for t in tokens[6:]]
+
+    assert torch.equal(torch.cat(parts), whole)
+    assert torch.equal(torch.cat(rows), whole)
+    assert torch.equal(torch.cat(last), whole[6:])

@@ -48,8 +48,17 @@ class CudaMlaOps(TorchMlaOps):
         # activation quantization) for both where they stack.
         q_in = attn.q_a_proj if d.q_lora_rank else attn.q_proj
         self.q_rows = q_in.out_features
-        self.q_kv_a = StackedLinear.of(q_in, attn.kv_a_proj_with_mqa, fp8_native_min_tokens(setup))
-        self.fold_input_norm = setup.tuning.fold_input_norm
+        self.invariant = setup.batch_invariant
+        self.q_kv_a = StackedLinear.of(
+            q_in, attn.kv_a_proj_with_mqa, fp8_native_min_tokens(setup), fixed=self.invariant
+        )
+        # The fold runs the GEMV, a config picked by the row count: not when invariant.
+        self.fold_input_norm = setup.tuning.fold_input_norm and not self.invariant
+        from kernels.triton.mla_decode import MAX_SPLITS, splits_for_context
+
+        # Batch-invariant decode: the kernel's split count fixed for the longest context the
+        # engine serves, so each sequence takes the splits its own length calls for.
+        self.fixed_splits = min(splits_for_context(positions.numel()), MAX_SPLITS)
 
     # -- the projections -------------------------------------------------------------
     def query_and_latent(self, attn, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -94,8 +103,44 @@ class CudaMlaOps(TorchMlaOps):
         check_ready(attn)
         if ctx.is_decode and attn.mode != "expanded":
             q, kv = self.query_and_latent(attn, x)
+            if self.invariant:
+                return self.invariant_attend(attn, q, kv, positions, ctx, x.dtype)
             return self.decode_attend(attn, q, kv, positions, ctx, x.dtype)
+        if self.invariant and attn.mode != "expanded":
+            q, kv = self.query_and_latent(attn, x)
+            return self.invariant_attend(attn, q, kv, positions, ctx, x.dtype)
         return super().forward(attn, x, positions, ctx)
+
+    def invariant_attend(self, attn, q, kv, positions, ctx: AttentionContext, dtype):
+        """Every query, decode or prefill, in the absorbed form by the decode kernel over
+        its own causal context (its position + 1 tokens of its sequence's blocks), with
+        each launch's configuration fixed: a token's attention is then the same in a
+        prompt's prefill, a chunk after a cached prefix, a recomputation after preemption
+        and a decode step of any batch. The output in `dtype` (the layer input's)."""
+        from kernels.triton.matmul import fixed_bmm
+        from kernels.triton.mla_cache import mla_rope_cache_write_
+        from kernels.triton.mla_decode import mla_decode
+
+        d = attn.dims
+        T, H, N, V = q.shape[0], d.num_heads, d.qk_nope_head_dim, d.v_head_dim
+        cache = attn.kv_cache
+        mla_rope_cache_write_(q[..., N:], *self.rope_cache_args(attn, kv, positions, ctx))
+        if ctx.is_decode:  # one query per sequence: the step's own tables and lengths
+            tables, lens = ctx.block_tables, ctx.context_lens
+        else:
+            tables, lens = ctx.shared("mla-query-tables", lambda: query_tables(ctx, positions))
+        q_c = fixed_bmm(q[..., :N].transpose(0, 1), self.w_uk.to(q.dtype))  # [H, T, R]
+        q_c = q_c.transpose(0, 1).to(cache.dtype).contiguous()  # [T, H, R]
+        q_rope = q[..., N:].to(cache.dtype).contiguous()  # [T, H, P]
+        if cache.dtype in KERNEL_DTYPES and min(d.kv_lora_rank, d.qk_rope_head_dim) >= MIN_DOT_K:
+            o_lat = mla_decode(q_c, q_rope, cache, tables, lens, attn.scale, self.fixed_splits,
+                               value_blocks=1)  # fmt: skip
+        else:
+            o_lat = absorbed_decode_torch(q_c, q_rope, cache, tables, lens,
+                                          ctx.max_context_len, ctx.block_size, attn.scale)  # fmt: skip
+        out = fixed_bmm(o_lat.transpose(0, 1), self.w_uv_t.to(o_lat.dtype))  # [H, T, V]
+        out = out.transpose(0, 1).reshape(T, H * V)
+        return attn.o_proj(out.to(dtype))
 
     def fold_config(self, attn, x, residual, ctx: AttentionContext) -> dict | None:
         """The q/kv_a GEMV config a decode step takes its input RMSNorm into, or None where
@@ -173,7 +218,8 @@ class CudaMlaOps(TorchMlaOps):
                 q_c, q_rope, cache, ctx.block_tables, ctx.context_lens, attn.scale, splits
             )  # [T, H, R]
         else:  # float32 (the kernel's float32 dots round to tf32), or dims under tl.dot's K
-            o_lat = absorbed_decode_torch(q_c, q_rope, cache, ctx, attn.scale)
+            o_lat = absorbed_decode_torch(q_c, q_rope, cache, ctx.block_tables, ctx.context_lens,
+                                          ctx.max_context_len, ctx.block_size, attn.scale)  # fmt: skip
         # The value half written straight in [T, H, V] order (cuBLAS takes the strided
         # output), so no transpose copy before o_proj.
         out = torch.empty((T, H, d.v_head_dim), dtype=o_lat.dtype, device=q.device)
@@ -181,18 +227,28 @@ class CudaMlaOps(TorchMlaOps):
         return attn.o_proj(out.view(T, H * d.v_head_dim).to(dtype))
 
 
-def absorbed_decode_torch(q_c, q_rope, cache, ctx: AttentionContext, scale: float):
-    """The decode kernel's contract in torch, with no host sync: every sequence reads
-    ctx.max_context_len slots (host-known), those past its device-side length masked.
+def query_tables(ctx: AttentionContext, positions: torch.Tensor):
+    """Each query's block table (its sequence's) [T, blocks] and causal context length
+    (its position + 1) [T], for running a prefill step's queries as decode rows."""
+    seq_of = torch.repeat_interleave(
+        torch.arange(ctx.num_seqs), torch.tensor(ctx.query_lens_host)
+    ).to(ctx.block_tables.device, non_blocking=True)
+    return ctx.block_tables[seq_of].contiguous(), (positions + 1).to(torch.int32)
+
+
+def absorbed_decode_torch(q_c, q_rope, cache, block_tables, context_lens, max_len: int,
+                          block_size: int, scale: float):  # fmt: skip
+    """The decode kernel's contract in torch, with no host sync: every row reads max_len
+    slots (host-known), those past its device-side length masked.
     q_c [T, H, R], q_rope [T, H, P] -> [T, H, R]."""
     R = q_c.shape[-1]
-    slots = context_slots(ctx.block_tables, ctx.max_context_len, ctx.block_size)  # [T, L]
+    slots = context_slots(block_tables, max_len, block_size)  # [T, L]
     entries = cache.view(-1, cache.shape[-1])[slots]  # [T, L, R+P]
     latent, k_rope = entries[..., :R], entries[..., R:]
     scores = torch.einsum("thr,tlr->thl", q_c, latent)
     scores = (scores + torch.einsum("thp,tlp->thl", q_rope, k_rope)) * scale  # [T, H, L]
     keys = torch.arange(slots.shape[1], device=q_c.device)
-    pad = keys[None, :] >= ctx.context_lens[:, None]  # [T, L]
+    pad = keys[None, :] >= context_lens[:, None]  # [T, L]
     probs = scores.masked_fill(pad[:, None, :], float("-inf")).softmax(dim=-1)
     return torch.einsum("thl,tlr->thr", probs, latent)
 

@@ -68,6 +68,7 @@ class CudaMoeOps(MoeOps):
         gate = moe.gate
         self.routing = routing_args(gate.spec, gate.e_score_correction_bias)
         self.routing_top_k = gate.spec.top_k
+        self.invariant = setup.batch_invariant
 
     def uses_kernels(self, x: torch.Tensor) -> bool:
         return self.fused is not None and x.dtype in KERNEL_DTYPES
@@ -79,6 +80,8 @@ class CudaMoeOps(MoeOps):
         from kernels.triton.fused_moe import start_shared_expert
 
         x = x.contiguous()
+        if self.invariant:
+            return self.forward_invariant(moe, x)
         # At decode sizes the fused kernels add the shared expert into the routed experts'
         # accumulator (two launches instead of gate, up, silu, mul, down and the add).
         shared = self.shared if x.shape[0] <= SHARED_FUSED_MAX_TOKENS else None
@@ -103,6 +106,34 @@ class CudaMoeOps(MoeOps):
             if pending is not None:
                 pending.join()
         if moe.shared_experts is not None and (shared is None or not fused):
+            out = out + moe.shared_experts(x)
+        return out
+
+    def forward_invariant(self, moe, x: torch.Tensor) -> torch.Tensor:
+        """The batch-invariant form: the router's float32 logits from the fixed-config
+        matmul and the per-token routing kernel, the routed experts at one config with the
+        ordered combine, the shared expert through its own (fixed-config) linears, added
+        after. No launch here picks anything by the token count."""
+        from kernels.triton.fused_moe import fixed_config, fused_moe
+        from kernels.triton.matmul import fixed_linear
+        from kernels.triton.moe_router import moe_route
+
+        if self.routing is None:
+            weights, ids = moe.gate(x)
+        else:
+            logits = fixed_linear(x.float(), moe.gate.weight.float())
+            weights, ids = moe_route(logits, **self.routing)
+        if moe.routing_recorder is not None:
+            moe.routing_recorder.record(moe.layer_index, ids, moe.experts.bytes_per_expert())
+        if self.uses_kernels(x) and x.shape[0]:
+            fused = self.fused
+            out = fused_moe(
+                x, fused.w13, fused.w2, weights, ids, fused.fmt, fused.w13_scale, fused.w2_scale,
+                config=fixed_config(fused.fmt), out_dtype=torch.float32, ordered_combine=True,
+            )  # fmt: skip
+        else:
+            out = self.routed_experts(moe.experts, x, weights, ids)
+        if moe.shared_experts is not None:
             out = out + moe.shared_experts(x)
         return out
 

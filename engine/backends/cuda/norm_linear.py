@@ -62,32 +62,55 @@ def has_fp8_tensor_cores() -> bool:
     return torch.cuda.get_device_capability() >= (8, 9)
 
 
-def fp8_matmul(x: torch.Tensor, weight, scale, native_min: int | None) -> torch.Tensor:
+def fp8_matmul(
+    x: torch.Tensor, weight, scale, native_min: int | None, fixed: bool = False
+) -> torch.Tensor:
     """x [..., K] bf16/fp16 @ (E4M3 [N, K] with 128x128 block scales)^T -> [..., N]. From
     `native_min` rows on the activations are quantized per token per 128 and multiplied as
-    FP8. Under CUDA graphs the rows are the padded batch of the graph's bucket."""
-    from kernels.triton.fp8_linear import fp8_block_linear
+    FP8. Under CUDA graphs the rows are the padded batch of the graph's bucket. `fixed`:
+    the launch config chosen from the weight's shape alone (batch-invariant)."""
+    from kernels.triton.fp8_linear import fixed_config, fp8_block_linear
 
     rows = x.numel() // max(1, x.shape[-1])
     native = native_min is not None and rows >= native_min
-    return fp8_block_linear(x, weight, scale, native_fp8=native)
+    config = fixed_config(*weight.shape, x.device) if fixed else None
+    return fp8_block_linear(x, weight, scale, native_fp8=native, config=config)
 
 
 class Fp8LinearOps(LinearOps):
-    def __init__(self, native_min: int | None):
-        self.native_min = native_min
+    """`fixed`: one launch config per weight shape at every row count (batch-invariant)."""
+
+    def __init__(self, native_min: int | None, fixed: bool = False):
+        self.native_min = None if fixed else native_min
+        self.fixed = fixed
 
     def forward(self, linear, x):
         if x.dtype not in KERNEL_DTYPES:  # float32 activations: the format's torch code
             return linear.format.apply(linear, x)
         scale = getattr(linear, linear.format.scale_name)
-        return fp8_matmul(x, linear.weight, scale, self.native_min)
+        return fp8_matmul(x, linear.weight, scale, self.native_min, self.fixed)
+
+
+class FixedLinearOps(LinearOps):
+    """Plain weights through the fixed-configuration Triton matmul (kernels/triton/matmul.py)
+    instead of cuBLAS, whose algorithm depends on the row count."""
+
+    def forward(self, linear, x):
+        from kernels.triton.matmul import fixed_linear
+
+        w = linear.weight
+        return fixed_linear(x.to(w.dtype), w).to(x.dtype)
+
+
+FIXED_LINEAR = FixedLinearOps()
 
 
 @register("linear", "cuda")
 def cuda_linear_ops(linear, setup: DeviceSetup) -> LinearOps:
     if isinstance(linear.format, Fp8BlockFormat):
-        return Fp8LinearOps(fp8_native_min_tokens(setup))
+        return Fp8LinearOps(fp8_native_min_tokens(setup), fixed=setup.batch_invariant)
+    if isinstance(linear.format, Unquantized) and setup.batch_invariant:
+        return FIXED_LINEAR
     return TORCH_LINEAR
 
 
@@ -97,10 +120,11 @@ class StackedLinear:
     The two layers' parameters become views of the stacked tensors (re-pointed in place:
     the Parameter objects stay the same), so the weights are not held twice."""
 
-    def __init__(self, first, second, native_min: int | None):
+    def __init__(self, first, second, native_min: int | None, fixed: bool = False):
         self.format = first.format
         self.out_features = first.out_features + second.out_features
-        self.native_min = native_min
+        self.native_min = None if fixed else native_min
+        self.fixed = fixed
         self.weight = _stack_rows(first.weight, second.weight)
         self.scale = None
         if isinstance(self.format, Fp8BlockFormat):
@@ -108,7 +132,7 @@ class StackedLinear:
             self.scale = _stack_rows(getattr(first, name), getattr(second, name))
 
     @staticmethod
-    def of(first, second, native_min: int | None) -> StackedLinear | None:
+    def of(first, second, native_min: int | None, fixed: bool = False) -> StackedLinear | None:
         fmt = first.format
         if first.bias is not None or second.bias is not None:
             return None
@@ -123,13 +147,17 @@ class StackedLinear:
             names.append(fmt.scale_name)
         if any(getattr(first, n).dtype != getattr(second, n).dtype for n in names):
             return None
-        return StackedLinear(first, second, native_min)
+        return StackedLinear(first, second, native_min, fixed)
 
     def __call__(self, x: torch.Tensor) -> torch.Tensor:
         if self.scale is None:
+            if self.fixed:
+                from kernels.triton.matmul import fixed_linear
+
+                return fixed_linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
             return F.linear(x.to(self.weight.dtype), self.weight).to(x.dtype)
         if x.dtype in KERNEL_DTYPES:
-            return fp8_matmul(x, self.weight, self.scale, self.native_min)
+            return fp8_matmul(x, self.weight, self.scale, self.native_min, self.fixed)
         from kernels.formats.fp8 import dequantize_fp8_block
 
         return F.linear(x, dequantize_fp8_block(self.weight, self.scale, dtype=x.dtype))
