@@ -3,7 +3,7 @@
 Seeded sampled target rows (temperature 1.0) run alone, then among neighbours of every
 kind (min_tokens bans that force eager steps, other lengths and parameters) at batch 64;
 prints and writes (JSON, to $OUT or /tmp/gpu_out) how many targets' tokens differ and at
-which output position the first difference is, per model.
+which output position the first difference is, per model, with batch_invariant on and off.
 
     python3 scripts/gpu_batch_invariance.py [--layers 2]
 """
@@ -58,8 +58,8 @@ def _first_difference(a: list[int], b: list[int]) -> int | None:
     return None if len(a) == len(b) else min(len(a), len(b))
 
 
-def measure(path: Path, dtype: str, batch: int) -> dict:
-    llm = LLM(str(path), dtype=dtype, max_num_seqs=batch)
+def measure(path: Path, dtype: str, batch: int, batch_invariant: bool) -> dict:
+    llm = LLM(str(path), dtype=dtype, max_num_seqs=batch, batch_invariant=batch_invariant)
     vocab = int(llm.engine.runner.source.config["vocab_size"])
     targets, others = _rows(vocab, batch - TARGETS)
     alone = [_run(llm, [t], [])[0] for t in targets]
@@ -69,6 +69,7 @@ def measure(path: Path, dtype: str, batch: int) -> dict:
     del llm
     return {
         "dtype": dtype,
+        "batch_invariant": batch_invariant,
         "batch": batch,
         "targets": TARGETS,
         "new_tokens": NEW,
@@ -87,15 +88,18 @@ def main() -> None:
     results = []
     with tempfile.TemporaryDirectory() as root:
         tiny = make_random_checkpoint(Path(root) / "tiny", preset="tiny", seed=3, mtp=False)
-        results.append({"model": "tiny", **measure(tiny, "float32", 64)})
-        print(results[-1], flush=True)
-        moon = make_random_checkpoint(
-            Path(root) / "moon", preset="moonlight-16b-a3b", layers=args.layers, seed=3, mtp=False,
-            dense_dtype="fp8", expert_dtype="mxfp4",
-        )  # fmt: skip
-        results.append({"model": f"moonlight-{args.layers}layers-fp8-mxfp4",
-                        **measure(moon, "bfloat16", 64)})  # fmt: skip
-        print(results[-1], flush=True)
+        models = [("tiny", tiny, "float32")]
+        for dense, experts in (("fp8", "mxfp4"), ("bf16", "bf16")):
+            path = make_random_checkpoint(
+                Path(root) / f"moon-{experts}", preset="moonlight-16b-a3b", layers=args.layers,
+                seed=3, mtp=False, dense_dtype=dense, expert_dtype=experts,
+            )  # fmt: skip
+            name = f"moonlight-{args.layers}layers-{dense}-{experts}".replace("bf16-bf16", "bf16")
+            models.append((name, path, "bfloat16"))
+        for name, path, dtype in models:
+            for invariant in (True, False):
+                results.append({"model": name, **measure(path, dtype, 64, invariant)})
+                print(results[-1], flush=True)
     (out / "gpu-batch-invariance.json").write_text(json.dumps(results, indent=2))
 
 

@@ -756,6 +756,9 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--min-prefill-seqs", type=int, default=None,
               help="With separate prefill: requests admitted per prefill step at least "
                    "(default: the engine's, max_num_seqs / 2).")  # fmt: skip
+@click.option("--batch-invariant/--no-batch-invariant", default=True, show_default=True,
+              help="Fixed launch configs and prefill through the decode kernel, so a row's "
+                   "tokens do not depend on its batch (docs/batch-invariance.md).")  # fmt: skip
 @click.option("--fold-input-norm/--no-fold-input-norm", default=True, show_default=True,
               help="DeepSeek layers' input RMSNorm inside the FP8 q/kv_a GEMV (1-8 tokens).")  # fmt: skip
 @click.option("--temperature", type=float, default=0.0, show_default=True,
@@ -763,8 +766,8 @@ def _ints(text: str) -> tuple[int, ...]:
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens, workdir, name,
             fp8_native_min_tokens, shared_expert_stream, mla_expanded_float32,
-            main_stream_first, separate_prefill, min_prefill_seqs, fold_input_norm, temperature,
-            top_p):  # fmt: skip
+            main_stream_first, separate_prefill, min_prefill_seqs, batch_invariant, fold_input_norm,
+            temperature, top_p):  # fmt: skip
     """Decode tok/s of a DeepSeek-V3-family MoE on the GPU vs transformers and the roofline."""
     chosen = tuple(w.strip() for w in weights.split(",") if w.strip())
     unknown = [w for w in chosen if w not in WEIGHTS]
@@ -776,7 +779,8 @@ def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens
                           main_stream_first=main_stream_first,
                           separate_prefill=separate_prefill,
                           min_prefill_seqs=min_prefill_seqs,
-                          fold_input_norm=fold_input_norm)  # fmt: skip
+                          fold_input_norm=fold_input_norm,
+                          batch_invariant=batch_invariant)  # fmt: skip
     run(preset, layers, chosen, _ints(batches), _ints(hf_batches), prompt_len, new_tokens,
         workdir, name, engine_options,
         {"temperature": temperature, "top_p": top_p, "seed": 0} if temperature > 0 else None)  # fmt: skip
