@@ -6,17 +6,22 @@ any batch, after a preemption or a resume). Plain torch on the CPU does not give
 
 - float32 `F.linear` / `bmm` (MKL's sgemm) takes another code path for a call of fewer
   than 12 rows unless the count is a multiple of 4: the same row then differs in its last
-  bits. Padding the call with zero rows to `invariant_rows(M)` keeps every call on the
-  main path, where a row's dot products run in one order whatever M is. The same holds
-  for the columns of a `bmm` (the keys of an attention score), so keys are padded too.
+  bits. float32 linears therefore run `fixed_order_linear` (kernels/cpu/
+  fixed_order_linear.py), whose summation order is fixed per output by construction and
+  which reads the weight once at any row count: a 1-row call costs a GEMV, not the 4-row
+  sgemm that padding would need. A `bmm` is padded with zero rows to INVARIANT_MIN_ROWS,
+  which keeps it on sgemm's main path, where a row's dot products run in one order
+  whatever M is; the same holds for its columns (the keys of an attention score), so
+  keys are padded too.
 - A reduction's order depends on its length: summing the same 200 probabilities padded
   with zeros to 256 or to 320 gives different bits. Attention therefore reduces over the
   keys in blocks of `KEY_BLOCK`, each of fixed length, and adds the blocks in key order:
   a query's result is the same whatever length its context was padded to, so it is the
   same computed in a prefill chunk of any size or as a decode step.
 
-bfloat16 on the CPU (oneDNN) is row-invariant at every row count; the padding is applied
-all the same, since it costs little and does not rely on which library runs the call.
+bfloat16 on the CPU (oneDNN) is row-invariant at every row count; its linears are padded
+to `invariant_rows(M)` all the same, since that costs little and does not rely on which
+library runs the call.
 `tests/kernels/test_batch_invariant.py` checks all of this on fresh random inputs; it is
 the check to run on a new CPU or BLAS build.
 
@@ -29,7 +34,10 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
-# Calls with at least this many rows, or a multiple of ROW_MULTIPLE, take sgemm's main path.
+from kernels.cpu.fixed_order_linear import fixed_order_linear
+
+# Calls with at least this many rows, or a multiple of ROW_MULTIPLE, take sgemm's main path
+# (bf16 linears and bmm are padded by this rule; float32 linears need no padding).
 INVARIANT_MIN_ROWS = 12
 ROW_MULTIPLE = 4
 KEY_BLOCK = 64
@@ -58,10 +66,14 @@ def _pad_dim(x: torch.Tensor, dim: int, size: int) -> torch.Tensor:
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
-    """x [..., K] @ weight [N, K]^T -> [..., N], each row as if computed alone. Tensors on
-    other devices go straight to F.linear (their kernels keep their own invariants)."""
+    """x [..., K] @ weight [N, K]^T -> [..., N], each row as if computed alone: float32 by
+    `fixed_order_linear`, other dtypes by F.linear over rows padded to `invariant_rows`.
+    Tensors on other devices go straight to F.linear (their kernels keep their own
+    invariants)."""
     if x.device.type != "cpu":
         return F.linear(x, weight)
+    if x.dtype == torch.float32 and weight.dtype == torch.float32:
+        return fixed_order_linear(x, weight)
     lead = x.shape[:-1]
     x2 = x.reshape(-1, x.shape[-1])  # [M, K]
     m = x2.shape[0]

@@ -6,7 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from kernels.cpu import batch_invariant
+from kernels.cpu import batch_invariant, fixed_order_linear
+from kernels.cpu.fixed_order_linear import fixed_order_linear_reference
 from kernels.reference.attention import attention_reference
 
 DTYPES = [torch.float32, torch.bfloat16]
@@ -28,6 +29,50 @@ def test_linear_rows_do_not_depend_on_the_call(shape, dtype):
     tol = 1e-5 if dtype == torch.float32 else 2e-2
     ref = x.float() @ w.float().t()
     assert torch.allclose(full.float(), ref, rtol=tol, atol=tol * ref.abs().max())
+
+
+@pytest.mark.parametrize("shape", [(1, 1), (3, 5), (13, 37), (64, 48), (130, 96), (9, 16)])
+def test_fixed_order_linear_is_bit_equal_to_its_torch_twin(shape, monkeypatch):
+    """Every tile size (4 x 4, the row and column tails, one row), the K tail past the last
+    16 lanes, one thread and several: the same bits as the order spelled out in torch."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(n * 31 + k)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(2, 11, k, generator=gen)  # [..., K]
+    want = fixed_order_linear_reference(x, w)
+    assert torch.equal(fixed_order_linear.fixed_order_linear(x, w), want)
+    monkeypatch.setattr(fixed_order_linear, "PARALLEL_MIN_WEIGHT", 0)
+    assert torch.equal(fixed_order_linear.fixed_order_linear(x, w), want)
+    ref = x.double() @ w.double().t()
+    assert torch.allclose(want.double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
+
+
+def test_fixed_order_linear_takes_a_parameter_and_refuses_other_dtypes():
+    w = torch.nn.Parameter(torch.randn(40, 24)[:, ::2])  # requires grad, not contiguous
+    x = torch.randn(3, 12)
+    assert torch.equal(
+        fixed_order_linear.fixed_order_linear(x, w), fixed_order_linear_reference(x, w)
+    )
+    with pytest.raises(TypeError):
+        fixed_order_linear.fixed_order_linear(x.bfloat16(), w.detach().bfloat16())
+
+
+@pytest.mark.parametrize("shape", [(49152, 576), (576, 1536)])
+def test_float32_linear_rows_do_not_depend_on_the_call_at_model_shapes(shape):
+    """SmolLM2's tied head and MLP down projection: a row alone, in 2..64-row calls (on one
+    thread and on several) and permuted gives the same bits."""
+    n, k = shape
+    gen = torch.Generator().manual_seed(n + k)
+    w = torch.randn(n, k, generator=gen)
+    x = torch.randn(64, k, generator=gen)
+    full = batch_invariant.linear(x, w)
+    for m in (1, 2, 3, 4, 5, 7, 12, 33):
+        assert torch.equal(batch_invariant.linear(x[:m], w), full[:m]), m
+    assert torch.equal(batch_invariant.linear(x[40:41], w), full[40:41])
+    perm = torch.randperm(64, generator=gen)[:9]
+    assert torch.equal(batch_invariant.linear(x[perm], w), full[perm])
+    ref = x[:4].double() @ w.double().t()
+    assert torch.allclose(full[:4].double(), ref, rtol=1e-5, atol=1e-5 * ref.abs().max())
 
 
 def test_batched_matmul_rows_and_columns_do_not_depend_on_the_call():
