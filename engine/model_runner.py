@@ -13,12 +13,14 @@ import logging
 import psutil
 import torch
 
+from engine.backends.prepare import prepare_model
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.loader import ModelSource, open_model_source
 from engine.models.base import CausalLM
 from engine.models.registry import model_class_for
 from engine.ops.attention_context import AttentionContext
+from engine.ops.device_layer import DeviceSetup
 from engine.pending_step import PendingStep
 from engine.sampler import sample
 from engine.scheduler import ScheduledBatch
@@ -53,10 +55,9 @@ class ModelRunner:
                 banned_tokens=self.banned_tokens,
                 max_model_len=self.max_model_len,
             )
-        if self.device.type == "cuda":  # GPU backend setup (engine/backends/cuda.py)
-            from engine.backends.cuda import prepare_model
-
-            prepare_model(self.model, self.dtype, self.max_model_len, config.cuda)
+        # each layer takes its device's ops (engine/backends: Triton kernels on CUDA)
+        prepare_model(self.model, DeviceSetup(self.device, self.dtype, self.max_model_len,
+                                              config.cuda, config.batch_invariant))  # fmt: skip
         kv_blocks = self._allocate_kv_cache()
         decode_graphs = self._decode_graphs_apply()
         # The one place the scratch block is decided: the decode graphs' padding rows write
@@ -122,8 +123,8 @@ class ModelRunner:
         per_token = sum(s.bytes_per_token(self.dtype) for s in specs)
         budget = self.config.kv_cache_memory
         if budget is None:
-            if self.device.type == "cuda":  # sized after a warm-up forward (backends/cuda.py)
-                from engine.backends.cuda import kv_cache_budget
+            if self.device.type == "cuda":  # sized after a warm-up forward
+                from engine.backends.cuda.memory import kv_cache_budget
 
                 budget = kv_cache_budget(
                     self.model,

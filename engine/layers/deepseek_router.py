@@ -1,9 +1,11 @@
 """DeepSeek's MoE router: which k experts each token goes to, and with what weight.
 
 Computed in float32 from the router weight, as DeepSeek's and transformers' code do, so
-expert choices match them bit for bit on float32 inputs.
+expert choices match them bit for bit on float32 inputs; the routing itself is the torch
+twin in kernels/reference/moe_router.py, which `select_experts` calls with this config.
 
-Legend: T = tokens, D = hidden, E = routed experts, G = expert groups, K = experts per token.
+Legend: docs/shapes.md (T tokens, D hidden, E routed experts, G expert groups, K experts per
+token).
 
 - V3 (`scoring_func` sigmoid, `topk_method` noaux_tc): s = sigmoid(x Wg^T); the selection
   uses s + e_score_correction_bias, group-limited (keep the `topk_group` groups whose top-2
@@ -21,6 +23,7 @@ import torch
 from torch import nn
 
 from kernels.cpu import batch_invariant
+from kernels.reference.moe_router import moe_route_reference
 
 SCORING_FUNCS = ("sigmoid", "softmax")
 TOPK_METHODS = ("noaux_tc", "greedy", "group_limited_greedy")
@@ -63,41 +66,26 @@ class RouterSpec:
         return self.topk_method in ("noaux_tc", "group_limited_greedy")
 
 
-def _group_mask(choice: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
-    """[T, E] bool: experts in the `topk_group` best groups of each token."""
-    T = choice.shape[0]
-    grouped = choice.view(T, spec.n_group, spec.num_experts // spec.n_group)  # [T, G, E/G]
-    if spec.topk_method == "noaux_tc":
-        group_scores = grouped.topk(2, dim=-1)[0].sum(dim=-1)  # [T, G]
-    else:
-        group_scores = grouped.max(dim=-1).values
-    group_idx = torch.topk(group_scores, k=spec.topk_group, dim=-1, sorted=False)[1]
-    keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, group_idx, True)
-    return keep[:, :, None].expand_as(grouped).reshape(T, spec.num_experts)
-
-
 def select_experts(
     logits: torch.Tensor, spec: RouterSpec, correction_bias: torch.Tensor | None = None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] float32 -> (weights [T, K] float32, expert ids [T, K] int64)."""
-    logits = logits.float()
-    if spec.scoring_func == "sigmoid":
-        scores = logits.sigmoid()
-    else:
-        scores = logits.softmax(dim=-1)
-    choice = scores
-    if spec.uses_bias:
-        if correction_bias is None:
-            raise ValueError("noaux_tc routing needs e_score_correction_bias")
-        choice = scores + correction_bias.float()
-    if spec.uses_groups and spec.topk_group < spec.n_group:
-        fill = float("-inf") if spec.uses_bias else 0.0
-        choice = choice.masked_fill(~_group_mask(choice, spec), fill)
-    ids = torch.topk(choice, k=spec.top_k, dim=-1, sorted=False)[1]  # [T, K]
-    weights = scores.gather(1, ids)
-    if spec.norm_topk_prob:
-        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * spec.routed_scaling_factor, ids
+    """logits [T, E] float32 -> (weights [T, K] float32, expert ids [T, K] int64): the
+    torch routing (kernels/reference/moe_router.py) with the config's method spelled as
+    its arguments, experts in torch.topk's unsorted order as transformers has them."""
+    if spec.uses_bias and correction_bias is None:
+        raise ValueError("noaux_tc routing needs e_score_correction_bias")
+    return moe_route_reference(
+        logits,
+        spec.top_k,
+        bias=correction_bias if spec.uses_bias else None,
+        n_group=spec.n_group if spec.uses_groups else 1,
+        topk_group=spec.topk_group,
+        norm_topk_prob=spec.norm_topk_prob,
+        routed_scaling_factor=spec.routed_scaling_factor,
+        scoring=spec.scoring_func,
+        group_score="top2" if spec.uses_bias else "max",
+        sorted=False,
+    )
 
 
 class DeepseekRouter(nn.Module):

@@ -1,9 +1,41 @@
-"""Torch twins of kernels/triton/moe_router.py, written after DeepSeek's Gate.forward."""
+"""The MoE router in torch: which k experts each token goes to, and with what weight. The
+twin of kernels/triton/moe_router.py and the CPU engine's router (engine/layers/
+deepseek_router.py adapts its config to these arguments). Written after DeepSeek's
+Gate.forward and transformers' DeepSeek-V2/V3 code, in float32, so that expert choices
+match theirs bit for bit on float32 inputs.
+
+Legend: docs/shapes.md (T tokens, E routed experts, G expert groups, K experts per token).
+
+  s = score(logits)        sigmoid (V3), softmax (V2) or sqrtsoftplus (V4: sqrt(softplus))
+  choice = s + bias        e_score_correction_bias steers the selection only
+  groups (n_group > 1 and topk_group < n_group): keep the topk_group best groups by
+    "top2": the sum of a group's two best `choice` (V3 noaux_tc); others' experts -inf;
+    "max":  a group's best `choice` (V2 group_limited_greedy); others' experts 0.0, as
+            transformers' DeepSeek-V2 code fills them (softmax scores are > 0 anyway)
+  ids = top_k of `choice`
+  weights = s[ids]; if norm_topk_prob: / (sum + 1e-20); then * routed_scaling_factor
+
+Returns (weights [T, K] float32, ids [T, K] int64), the order used everywhere.
+"""
 
 from __future__ import annotations
 
 import torch
 import torch.nn.functional as F
+
+GROUP_SCORES = ("top2", "max")
+
+
+def routing_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
+    """logits [T, E] -> float32 scores [T, E]."""
+    x = logits.float()
+    if scoring == "sigmoid":
+        return x.sigmoid()
+    if scoring == "softmax":
+        return x.softmax(dim=-1)
+    if scoring == "sqrtsoftplus":
+        return F.softplus(x).sqrt()
+    raise ValueError(f"unknown scoring {scoring!r} (sigmoid, softmax, sqrtsoftplus)")
 
 
 def moe_route_reference(
@@ -15,35 +47,40 @@ def moe_route_reference(
     norm_topk_prob: bool = True,
     routed_scaling_factor: float = 1.0,
     scoring: str = "sigmoid",
+    group_score: str = "top2",
+    sorted: bool = True,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    x = logits.float()  # [T, E]
-    if scoring == "sigmoid":
-        s = x.sigmoid()
-    elif scoring == "sqrtsoftplus":
-        s = F.softplus(x).sqrt()
-    elif scoring == "softmax":
-        s = x.softmax(-1)
-    else:
-        raise ValueError(f"unknown scoring {scoring!r}")
-    choice = s + bias.float() if bias is not None else s.clone()
+    """logits [T, E] -> (weights [T, K] float32, ids [T, K] int64); see the module
+    docstring. sorted=True orders each token's experts by `choice`, best first (the
+    Triton kernels' order); sorted=False keeps torch.topk's unsorted order, as
+    transformers' code does (the CPU engine sums its experts in that order)."""
+    if group_score not in GROUP_SCORES:
+        raise ValueError(f"group_score {group_score!r}: expected one of {GROUP_SCORES}")
+    scores = routing_scores(logits, scoring)  # [T, E]
+    choice = scores if bias is None else scores + bias.float()
     t, e = choice.shape
     if n_group > 1 and topk_group < n_group:
         grouped = choice.view(t, n_group, e // n_group)  # [T, G, E/G]
-        group_scores = grouped.topk(2, dim=-1).values.sum(-1)  # [T, G]
-        keep_groups = group_scores.topk(topk_group, dim=-1).indices  # [T, topk_group]
-        drop = torch.ones(t, n_group, dtype=torch.bool, device=x.device)
-        drop.scatter_(1, keep_groups, False)
-        choice = grouped.masked_fill(drop[..., None], float("-inf")).view(t, e)
-    ids = choice.topk(top_k, dim=-1).indices  # [T, k]
-    weights = s.gather(1, ids)
+        if group_score == "top2":
+            group_scores = grouped.topk(2, dim=-1).values.sum(dim=-1)  # [T, G]
+        else:
+            group_scores = grouped.max(dim=-1).values  # [T, G]
+        keep_groups = group_scores.topk(topk_group, dim=-1, sorted=sorted).indices
+        keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, keep_groups, True)
+        keep = keep[:, :, None].expand_as(grouped).reshape(t, e)  # [T, E]
+        fill = float("-inf") if group_score == "top2" else 0.0
+        choice = choice.masked_fill(~keep, fill)
+    ids = choice.topk(top_k, dim=-1, sorted=sorted).indices  # [T, K]
+    weights = scores.gather(1, ids)  # [T, K]
     if norm_topk_prob:
-        weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-    return ids.to(torch.int32), weights * routed_scaling_factor
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * routed_scaling_factor, ids
 
 
 def moe_gate_route_reference(
     x: torch.Tensor, gate_weight: torch.Tensor, top_k: int, **routing
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The gate in float32, as DeepSeek's Gate: logits = x.float() @ W.float().T."""
+    """x [T, D], gate_weight [E, D]: the gate in float32, as DeepSeek's Gate
+    (logits = x.float() @ W.float().T), then moe_route_reference."""
     logits = x.float() @ gate_weight.float().t()  # [T, E]
     return moe_route_reference(logits, top_k, **routing)

@@ -1,4 +1,6 @@
-"""The MoE router as one kernel, with or without the gate matmul inside.
+"""The MoE router as one kernel, with or without the gate matmul inside. Its torch twin,
+and the statement of the routing it computes, is kernels/reference/moe_router.py
+(`moe_route_reference`; the "top2" group score). Legend: docs/shapes.md.
 
   logits = x.float() @ W.float().T  (moe_gate_route only; DeepSeek gates in float32)
   s = score(logits)               sigmoid (V3), sqrtsoftplus (V4: sqrt(softplus)) or softmax
@@ -7,7 +9,8 @@
   ids = top_k of `choice` over the kept experts (others -inf, as DeepSeek's reference does)
   weights = s[ids]; if norm_topk_prob: / (sum + 1e-20); then * routed_scaling_factor
 
-Both return topk_ids [T, top_k] int32 and topk_weights [T, top_k] float32, ordered by choice.
+Both return (topk_weights [T, K] float32, topk_ids [T, K] int32), ordered by choice, best
+first: the (weights, ids) order of every router in the house.
 
 moe_route takes the logits (one program per token). moe_gate_route takes x [T, D] in its own
 dtype and the gate weight [E, D] (float32 or bf16) and replaces x.float(), the float32
@@ -70,8 +73,8 @@ def moe_route(
     routed_scaling_factor: float = 1.0,
     scoring: str = "sigmoid",
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """logits [T, E] (the gate matmul's output) -> (topk_ids [T, top_k] int32,
-    topk_weights [T, top_k] float32). Field names follow DeepSeek's config.json."""
+    """logits [T, E] (the gate matmul's output) -> (topk_weights [T, K] float32,
+    topk_ids [T, K] int32). Field names follow DeepSeek's config.json."""
     assert logits.dim() == 2 and logits.stride(-1) == 1, "logits must be a row-major [T, E]"
     t, e = logits.shape
     bias = check_routing(e, top_k, bias, n_group, topk_group, scoring)
@@ -86,7 +89,7 @@ def moe_route(
                                  norm_topk_prob, scoring),
             num_warps=4 if e > 128 else 1,
         )  # fmt: skip
-    return ids, weights
+    return weights, ids
 
 
 def gate_experts_per_program(tokens: int, experts: int, device: torch.device) -> int:
@@ -112,7 +115,7 @@ def moe_gate_route(
     block_d: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] (any float dtype) and the gate weight [E, D] (float32 or bf16) ->
-    (topk_ids [T, top_k] int32, topk_weights [T, top_k] float32), the logits computed in
+    (topk_weights [T, K] float32, topk_ids [T, K] int32), the logits computed in
     float32 inside the launch. Same routing arguments as moe_route; `block_d` (a power of
     2) overrides the D step, for tests."""
     assert x.dim() == 2 and x.stride(-1) == 1, "x must be a row-major [T, D]"
@@ -125,7 +128,7 @@ def moe_gate_route(
     ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
     weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
     if t == 0:
-        return ids, weights
+        return weights, ids
     per = gate_experts_per_program(t, e, x.device)
     blocks = triton.cdiv(e, per)
     split = blocks > 1
@@ -144,4 +147,4 @@ def moe_gate_route(
         SPLIT=split,
         num_warps=4,
     )  # fmt: skip
-    return ids, weights
+    return weights, ids

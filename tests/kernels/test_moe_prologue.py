@@ -70,7 +70,7 @@ def test_prologue_equals_the_separate_launches(case, monkeypatch):
     monkeypatch.setattr(prologue_module.torch, "empty", _poisoned_empty(torch.empty))
     got = moe_prologue(x, w, block_m=block_m, quantize_int8=int8, **routing)
     monkeypatch.undo()
-    ids, weights = moe_gate_route(x, w, **routing)
+    weights, ids = moe_gate_route(x, w, **routing)
     # the same float32 GEMV and routing code: the same bits
     assert torch.equal(got.topk_ids, ids) and torch.equal(got.topk_weights, weights)
     _check_alignment(got.alignment, ids, e, block_m)
@@ -143,7 +143,7 @@ def test_prologue_gpu_moonlight_shape(t, block_m):
     routing = _routing(64, 6, 1, 1, "sigmoid", True, g)
     for _ in range(3):  # counters left at zero: repeated launches agree
         got = moe_prologue(x, w, block_m=block_m, quantize_int8=block_m == 1, **routing)
-        ids, weights = moe_gate_route(x, w, **routing)
+        weights, ids = moe_gate_route(x, w, **routing)
         assert torch.equal(got.topk_ids, ids) and torch.equal(got.topk_weights, weights)
         _check_alignment(got.alignment, ids, 64, block_m)
         if block_m == 1:
@@ -178,7 +178,7 @@ def test_shared_expert_started_before_the_prologue(t):
             pending.join()
 
     def one_stream():
-        ids, weights = moe_gate_route(x, gate, **routing)
+        weights, ids = moe_gate_route(x, gate, **routing)
         return fused_moe(x, w13, w2, weights, ids, **kw, config=cfg, shared=shared,
                          out_dtype=torch.float32)  # fmt: skip
 

@@ -21,10 +21,10 @@ def _check(t, e, k, ng, tg, scoring, with_bias, norm, scale, seed):
     bias = (0.3 * torch.randn(e, generator=g)).to(DEVICE) if with_bias else None
     kw = dict(top_k=k, bias=bias, n_group=ng, topk_group=tg, norm_topk_prob=norm,
               routed_scaling_factor=scale, scoring=scoring)  # fmt: skip
-    ids, w = moe_route(logits, **kw)
-    ids_ref, w_ref = moe_route_reference(logits, **kw)
+    w, ids = moe_route(logits, **kw)
+    w_ref, ids_ref = moe_route_reference(logits, **kw)
     assert ids.dtype == torch.int32 and w.dtype == torch.float32
-    assert torch.equal(ids, ids_ref)
+    assert torch.equal(ids.long(), ids_ref)
     torch.testing.assert_close(w, w_ref, rtol=1e-5, atol=1e-6)
 
 
@@ -36,8 +36,35 @@ def test_router_matches_reference(case):
 def test_router_group_limit_changes_the_choice():
     # Group 1 holds the single best expert but group 0 has the better top-2 sum.
     logits = torch.tensor([[2.0, 1.9, -3.0, -3.0, 3.0, -3.0, -3.0, -3.0]], device=DEVICE)
-    ids, _ = moe_route(logits, top_k=2, n_group=2, topk_group=1)
+    _, ids = moe_route(logits, top_k=2, n_group=2, topk_group=1)
     assert sorted(ids[0].tolist()) == [0, 1]
+
+
+def test_reference_group_score_max_keeps_the_group_of_the_best_expert():
+    # V2's group_limited_greedy: a group scores its best expert, and dropped experts are
+    # filled with 0.0 (scores are > 0, so they are never chosen while enough kept ones
+    # remain). Group 0 has the better top-2 sum, group 1 the best expert.
+    logits = torch.tensor([[2.0, 1.9, -3.0, -3.0, 3.0, -3.0, -3.0, -3.0]])
+    kw = dict(top_k=2, n_group=2, topk_group=1, scoring="sigmoid")
+    _, top2 = moe_route_reference(logits, **kw)
+    weights, ids = moe_route_reference(logits, group_score="max", **kw)
+    assert sorted(top2[0].tolist()) == [0, 1]
+    assert ids[0, 0] == 4 and ids[0, 1] in (5, 6, 7)
+    assert ids.dtype == torch.int64 and weights.dtype == torch.float32
+    probs = logits.sigmoid()
+    want = probs[0, ids[0]] / probs[0, ids[0]].sum()
+    torch.testing.assert_close(weights[0], want)
+
+
+def test_reference_unsorted_picks_the_same_experts():
+    g = torch.Generator().manual_seed(8)
+    logits, bias = torch.randn(6, 16, generator=g), torch.randn(16, generator=g)
+    kw = dict(top_k=4, bias=bias, n_group=4, topk_group=2, routed_scaling_factor=2.5)
+    w_sorted, ids_sorted = moe_route_reference(logits, **kw)
+    w, ids = moe_route_reference(logits, sorted=False, **kw)
+    order = ids.sort(-1).indices
+    assert torch.equal(ids.gather(1, order), ids_sorted.sort(-1).values)
+    torch.testing.assert_close(w.gather(1, order), w_sorted.gather(1, ids_sorted.sort(-1).indices))
 
 
 @pytest.mark.gpu
@@ -65,15 +92,15 @@ def _gate_check(t, d, e, k, ng, tg, scoring, with_bias, norm, scale, xdt, wdt, b
     bias = (0.3 * torch.randn(e, generator=g)).to(DEVICE) if with_bias else None
     kw = dict(top_k=k, bias=bias, n_group=ng, topk_group=tg, norm_topk_prob=norm,
               routed_scaling_factor=scale, scoring=scoring)  # fmt: skip
-    ids, weights = moe_gate_route(x, w, block_d=block_d, **kw)
-    ids_ref, weights_ref = moe_gate_route_reference(x, w, **kw)
+    weights, ids = moe_gate_route(x, w, block_d=block_d, **kw)
+    weights_ref, ids_ref = moe_gate_route_reference(x, w, **kw)
     # Exact float32 logits in another summation order differ by a few ulps: the ids must
     # match where the choice is well separated. Precondition: float64 logits pick the same
     # ids, so a near tie shows up as a bad seed, not as a kernel bug.
     logits64 = (x.double() @ w.double().t()).float()
-    assert torch.equal(moe_route_reference(logits64, **kw)[0], ids_ref), "near tie: pick a seed"
+    assert torch.equal(moe_route_reference(logits64, **kw)[1], ids_ref), "near tie: pick a seed"
     assert ids.dtype == torch.int32 and weights.dtype == torch.float32
-    assert torch.equal(ids, ids_ref)
+    assert torch.equal(ids.long(), ids_ref)
     torch.testing.assert_close(weights, weights_ref, rtol=1e-5, atol=1e-6)
 
 
