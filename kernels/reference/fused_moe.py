@@ -1,6 +1,7 @@
 """Torch twin of kernels/triton/fused_moe.py: DeepSeek's loop over experts.
 
-Legend: T tokens, D hidden, I expert intermediate, E experts, A experts per token.
+Legend: docs/shapes.md (T tokens, D hidden, I expert intermediate, E experts, K experts
+per token).
 """
 
 from __future__ import annotations
@@ -26,14 +27,14 @@ def fused_moe_reference(
     x: torch.Tensor,  # [T, D]
     w13: torch.Tensor,  # [E, 2I, D] gate rows then up rows (or the stored codes)
     w2: torch.Tensor,  # [E, D, I]
-    topk_weights: torch.Tensor,  # [T, A] float32
-    topk_ids: torch.Tensor,  # [T, A] int
+    topk_weights: torch.Tensor,  # [T, K] float32
+    topk_ids: torch.Tensor,  # [T, K] int
     fmt: str = "bf16",
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float32,
 ) -> torch.Tensor:
-    """sum_a weight[t, a] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, a]. Only the
+    """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]. Only the
     experts some token chose are dequantized. float32 math by default (the oracle);
     the benchmark runs it in bf16 as the plain-torch baseline. Result in x's dtype."""
     n_experts = w13.shape[0]

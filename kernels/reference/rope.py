@@ -12,8 +12,9 @@ def rope_reference(
     sin: torch.Tensor,
     interleaved: bool,
 ) -> torch.Tensor:
-    """x [T, H, R] -> rotated copy in x's dtype."""
-    c = cos[positions.long()][:, None, :]  # [T, 1, R/2]
+    """x [T, H, P] (P the rope dim, docs/shapes.md) -> rotated copy in x's dtype; cos, sin
+    [max_pos, P/2]."""
+    c = cos[positions.long()][:, None, :]  # [T, 1, P/2]
     s = sin[positions.long()][:, None, :]
     xf = x.float()
     if interleaved:

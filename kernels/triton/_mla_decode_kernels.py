@@ -1,5 +1,6 @@
 """Triton body for mla_decode.py: split-sequence (flash-decoding) attention whose last split
-to finish merges the others' partials in the same launch (no merge kernel)."""
+to finish merges the others' partials in the same launch (no merge kernel). Meta-parameter
+names: KVL is kv_lora_rank (R in docs/shapes.md), R the rope dim (P there), S the splits."""
 
 from __future__ import annotations
 

@@ -1,12 +1,13 @@
 """MLA decode attention in the absorbed form over a paged compressed cache.
 
-Legend: B sequences (one new token each), H heads, KVL = kv_lora_rank (512), R = rope dim
-(64), BS = cache block size.
-  cache [num_blocks, BS, KVL + R]: per token the normalised latent c and the roped k_rot
-  q_c [B, H, KVL] (q_nope absorbed through kv_b's key half), q_rope [B, H, R]
+Legend: docs/shapes.md (B sequences, one new token each; H heads; R kv_lora_rank, 512 in
+DeepSeek-V3; P qk_rope, 64). The kernel's meta-parameters name R `KVL` and P `R`.
+  cache [num_blocks, block_size, R + P]: per token the normalised latent c and the roped k_rot
+  q_c [B, H, R] (q_nope absorbed through kv_b's key half), q_rope [B, H, P]
   block_tables [B, max_blocks] int32, context_lens [B] (>= 1, includes the new token)
-  out [B, H, KVL] = softmax(scale * (q_c . c_t + q_rope . k_rot_t)) @ c   (per head)
-The caller applies kv_b's value half to `out`.
+  out [B, H, R] = softmax(scale * (q_c . c_l + q_rope . k_rot_l)) @ c   (per head)
+The caller applies kv_b's value half to `out`. Torch twin: kernels/reference/mla_decode.py;
+the @triton.jit body is in _mla_decode_kernels.py.
 
 The sequence is split into up to `num_splits` chunks (flash-decoding) so a few long
 sequences still fill the GPU. `num_splits` is a launch constant (the grid's third axis):
@@ -19,7 +20,7 @@ in every case, so a graph captured for the longest context stays one launch per 
 
 At a few sequences `value_blocks` programs share a head block's output columns (the grid's
 second axis is head block x value block): each computes the scores over the whole latent
-but accumulates, stores and merges only its KVL / value_blocks columns, so the work a
+but accumulates, stores and merges only its R / value_blocks columns, so the work a
 program does once per launch shrinks while the idle SMs take the extra programs.
 """
 
@@ -66,9 +67,9 @@ def default_num_warps(kvl: int, num_splits: int) -> int:
 
 def default_value_blocks(batch: int, heads: int, num_splits: int, kvl: int, device) -> int:
     """Output latent blocks per head block: at a few sequences the (sequence, head block,
-    split) programs leave most SMs idle and each one's fixed work (the [16, KVL] output,
+    split) programs leave most SMs idle and each one's fixed work (the [16, R] output,
     its partial and the merge) is the kernel's time, so up to 4 programs share it, each
-    owning KVL / 4 output columns (the scores, over the whole latent, are computed by
+    owning R / 4 output columns (the scores, over the whole latent, are computed by
     each). Only while the programs still fit on the SMs at once."""
     sms = sm_count(device)
     programs = batch * triton.cdiv(heads, 16) * num_splits
@@ -92,7 +93,7 @@ def mla_decode(
     prefetch: int = 1,
     value_blocks: int | None = None,
 ) -> torch.Tensor:
-    """Returns [B, H, KVL] in q_c's dtype. See the module docstring for the layouts.
+    """Returns [B, H, R] in q_c's dtype. See the module docstring for the layouts.
     `prefetch` (split sequences only): 1 loads each cache tile's page indices one tile
     ahead (H200, batch 1: 12.5 -> 11.8 us per launch, docs/notes-gpu-engine.md), 0 does not.
     `value_blocks` (default_value_blocks when None) splits each head block's output

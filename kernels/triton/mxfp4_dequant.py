@@ -10,48 +10,22 @@ scratch (read 0.5 + write 2 bytes per weight) and running the bf16 kernels is th
 way; the fused MoE config chooses it ("KERNEL": "dequant").
 
 The decode is the MoE kernels' own (`_mxfp4_weight_rows`): exact, since the engine admits
-MXFP4 scales only up to 2^1 (fused_moe.MXFP4_MAX_EXACT_SCALE).
+MXFP4 scales only up to 2^1 (fused_moe.MXFP4_MAX_EXACT_SCALE). Torch twin:
+kernels/reference/quant_formats.dequant_mxfp4; the @triton.jit body is in
+_mxfp4_dequant_kernels.py.
 """
 
 from __future__ import annotations
 
 import torch
 import triton
-import triton.language as tl
 
 from kernels.triton._common import check_device, interpreting
-from kernels.triton._fused_moe_kernels import _mxfp4_factors, _mxfp4_weight_rows
+from kernels.triton._mxfp4_dequant_kernels import mxfp4_dequant_kernel
 
 # bytes of codes per program along a row (32 groups of 32 weights) and rows per program
 BLOCK_BYTES = 512
 BLOCK_ROWS = 16
-
-
-@triton.jit
-def mxfp4_dequant_kernel(
-    codes_ptr,  # [R, K/2] uint8, low nibble = even k
-    scales_ptr,  # [R, K/32] uint8 E8M0
-    out_ptr,  # [R, K] bf16
-    R,
-    KB,  # K/2: code bytes per row
-    BLOCK_R: tl.constexpr,
-    BLOCK_B: tl.constexpr,  # code bytes per program, a multiple of 16 (one scale group)
-    F32_DOT: tl.constexpr,
-    ASM: tl.constexpr,
-):
-    rows = tl.program_id(0) * BLOCK_R + tl.arange(0, BLOCK_R)
-    cols = tl.program_id(1) * BLOCK_B + tl.arange(0, BLOCK_B)
-    groups = tl.program_id(1) * (BLOCK_B // 16) + tl.arange(0, BLOCK_B // 16)
-    mask_r = rows < R
-    r64 = rows.to(tl.int64)[:, None]
-    b = tl.load(codes_ptr + r64 * KB + cols[None, :],
-                mask=mask_r[:, None] & (cols < KB)[None, :], other=0)  # fmt: skip
-    s = tl.load(scales_ptr + r64 * (KB // 16) + groups[None, :],
-                mask=mask_r[:, None] & (groups < KB // 16)[None, :], other=127)  # fmt: skip
-    w = _mxfp4_weight_rows(b, _mxfp4_factors(s), F32_DOT, ASM)  # [BLOCK_R, 2 * BLOCK_B]
-    ks = tl.program_id(1) * 2 * BLOCK_B + tl.arange(0, 2 * BLOCK_B)
-    tl.store(out_ptr + r64 * (2 * KB) + ks[None, :], w.to(out_ptr.dtype.element_ty),
-             mask=mask_r[:, None] & (ks < 2 * KB)[None, :])  # fmt: skip
 
 
 def dequant_mxfp4(codes: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:

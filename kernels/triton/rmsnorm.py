@@ -8,46 +8,15 @@ With a residual, x may be float32 while the residual (the stream) is bf16/fp16: 
 float32 accumulator is added here instead of being cast to bf16 by a separate kernel. The
 sum is rounded once, to the residual's dtype (an unfused cast-then-add rounds twice, so the
 two can differ by one ulp of the stream's dtype); y and r take the residual's dtype.
+Torch twin: kernels/reference/rmsnorm.py; the @triton.jit body is in _rmsnorm_kernels.py.
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.triton._common import check_device, next_pow2
-
-
-@triton.jit
-def rmsnorm_kernel(
-    x_ptr,  # [R, D]
-    res_ptr,  # [R, D] residual in (HAS_RES)
-    w_ptr,  # [D]
-    y_ptr,  # [R, D]
-    res_out_ptr,  # [R, D] x + residual (HAS_RES)
-    D,
-    eps,
-    stride_x,
-    stride_res,
-    stride_y,
-    stride_res_out,
-    HAS_RES: tl.constexpr,
-    BLOCK: tl.constexpr,
-):
-    row = tl.program_id(0).to(tl.int64)
-    offs = tl.arange(0, BLOCK)
-    mask = offs < D
-    x = tl.load(x_ptr + row * stride_x + offs, mask=mask, other=0.0).to(tl.float32)
-    if HAS_RES:
-        x += tl.load(res_ptr + row * stride_res + offs, mask=mask, other=0.0).to(tl.float32)
-        # The new residual is rounded to the stream's dtype, as an unfused add would be.
-        x_round = x.to(res_out_ptr.dtype.element_ty)
-        tl.store(res_out_ptr + row * stride_res_out + offs, x_round, mask=mask)
-        x = x_round.to(tl.float32)
-    rstd = 1.0 / tl.sqrt(tl.sum(x * x, axis=0) / D + eps)
-    w = tl.load(w_ptr + offs, mask=mask, other=0.0).to(tl.float32)
-    tl.store(y_ptr + row * stride_y + offs, (x * rstd * w).to(y_ptr.dtype.element_ty), mask=mask)
+from kernels.triton._rmsnorm_kernels import rmsnorm_kernel
 
 
 def rmsnorm(

@@ -1,58 +1,22 @@
 """Rotary position embedding applied in place to q and k.
 
-q [T, Hq, R] and k [T, Hk, R] may be views into larger tensors (e.g. the rope slice of a
-[T, H, 192] query): any strides over T and heads, contiguous last dim. positions [T] int;
-cos, sin [max_pos, R/2] float32 (the engine's cache; YaRN and friends are baked into it).
+q [T, Hq, P] and k [T, Hk, P] (P the rope dim, docs/shapes.md) may be views into larger
+tensors (e.g. the rope slice of a [T, H, N + P] query): any strides over T and heads,
+contiguous last dim. positions [T] int; cos, sin [max_pos, P/2] float32 (the engine's
+cache; YaRN and friends are baked into it). Torch twin: kernels/reference/rope.py;
+kernel bodies: _rope_kernels.py.
 
   interleaved=True  (DeepSeek's stored layout): pairs are (2j, 2j+1), output stays interleaved.
-  interleaved=False (neox): pairs are (j, j + R/2).
+  interleaved=False (neox): pairs are (j, j + P/2).
 Pair j rotates by angle j: (a, b) -> (a cos - b sin, a sin + b cos).
 """
 
 from __future__ import annotations
 
 import torch
-import triton
-import triton.language as tl
 
 from kernels.triton._common import check_device, next_pow2
-
-
-@triton.jit
-def _rope_heads(ptr, stride_t, stride_h, n_heads, tok, cos, sin, offs_h, offs_j,
-                HALF: tl.constexpr, INTERLEAVED: tl.constexpr):  # fmt: skip
-    mask = (offs_h[:, None] < n_heads) & (offs_j[None, :] < HALF)
-    base = ptr + tok * stride_t + offs_h[:, None] * stride_h
-    if INTERLEAVED:
-        pa = base + 2 * offs_j[None, :]
-        pb = pa + 1
-    else:
-        pa = base + offs_j[None, :]
-        pb = pa + HALF
-    a = tl.load(pa, mask=mask, other=0.0).to(tl.float32)
-    b = tl.load(pb, mask=mask, other=0.0).to(tl.float32)
-    tl.store(pa, (a * cos - b * sin).to(ptr.dtype.element_ty), mask=mask)
-    tl.store(pb, (a * sin + b * cos).to(ptr.dtype.element_ty), mask=mask)
-
-
-@triton.jit
-def rope_kernel(
-    q_ptr, k_ptr, pos_ptr, cos_ptr, sin_ptr,
-    n_q_heads, n_k_heads,
-    stride_qt, stride_qh, stride_kt, stride_kh, stride_cos,
-    HALF: tl.constexpr, INTERLEAVED: tl.constexpr,
-    BLOCK_HQ: tl.constexpr, BLOCK_HK: tl.constexpr, BLOCK_J: tl.constexpr,
-):  # fmt: skip
-    tok = tl.program_id(0).to(tl.int64)
-    pos = tl.load(pos_ptr + tok).to(tl.int64)
-    offs_j = tl.arange(0, BLOCK_J)
-    cs_mask = offs_j < HALF
-    cos = tl.load(cos_ptr + pos * stride_cos + offs_j, mask=cs_mask, other=0.0)[None, :]
-    sin = tl.load(sin_ptr + pos * stride_cos + offs_j, mask=cs_mask, other=0.0)[None, :]
-    _rope_heads(q_ptr, stride_qt, stride_qh, n_q_heads, tok, cos, sin, tl.arange(0, BLOCK_HQ),
-                offs_j, HALF, INTERLEAVED)  # fmt: skip
-    _rope_heads(k_ptr, stride_kt, stride_kh, n_k_heads, tok, cos, sin, tl.arange(0, BLOCK_HK),
-                offs_j, HALF, INTERLEAVED)  # fmt: skip
+from kernels.triton._rope_kernels import rope_kernel
 
 
 def apply_rope_(
@@ -63,9 +27,9 @@ def apply_rope_(
     sin: torch.Tensor,
     interleaved: bool,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Rotate q [T, Hq, R] and k [T, Hk, R] in place; returns (q, k)."""
+    """Rotate q [T, Hq, P] and k [T, Hk, P] in place; returns (q, k)."""
     assert q.dim() == 3 and k.dim() == 3, (
-        f"q, k must be [T, H, R], got {list(q.shape)}, {list(k.shape)}"
+        f"q, k must be [T, H, P], got {list(q.shape)}, {list(k.shape)}"
     )
     t, hq, r = q.shape
     assert k.shape[0] == t and k.shape[2] == r, (

@@ -1,7 +1,11 @@
 import pytest
 import torch
 
-from kernels.reference.fp8_linear import act_quant_reference, fp8_block_linear_reference
+from kernels.reference.fp8_linear import (
+    act_quant_reference,
+    fp8_block_linear_reference,
+    fp8_gemv_rmsnorm_reference,
+)
 from kernels.reference.quant_formats import random_fp8_block
 from kernels.triton._arrival_counters import arrival_counters
 from kernels.triton.fp8_linear import act_quant, default_config, fp8_block_linear
@@ -185,6 +189,35 @@ def test_fp8_gemv_checks_its_input_width():
     x = torch.randn(2, 256, generator=g).to(torch.bfloat16).to(DEVICE)
     with pytest.raises(AssertionError, match="256 columns"):
         fp8_gemv(x, q, s, _gemv(32, 64, 1, False))
+
+
+@pytest.mark.parametrize(
+    "m,split_k,x_dtype,scale_dtype,bit_decode",
+    [
+        (1, 1, torch.float32, torch.float32, False),
+        (2, 4, torch.float32, torch.uint8, True),
+        (8, 3, torch.bfloat16, torch.float32, True),
+    ],
+)
+def test_fp8_gemv_rmsnorm_matches_its_torch_twin(m, split_k, x_dtype, scale_dtype, bit_decode):
+    # RMSNorm(x + residual) @ dequant(W)^T and the new residual, against the plain torch
+    # norm then float32 matmul. N = 150 and K = 272: partial scale blocks and tiles.
+    from kernels.triton.fp8_linear import fp8_gemv_rmsnorm
+
+    n, k = 150, 272
+    g = torch.Generator().manual_seed(900 + m * 10 + split_k)
+    q, s = random_fp8_block((n, k), scale_dtype=scale_dtype, generator=g, device=DEVICE)
+    x = (torch.randn(m, k, generator=g) * 3).to(x_dtype).to(DEVICE)
+    residual = torch.randn(m, k, generator=g).to(torch.bfloat16).to(DEVICE)
+    norm_w = (torch.rand(k, generator=g) + 0.5).to(torch.bfloat16).to(DEVICE)
+    want, want_res = fp8_gemv_rmsnorm_reference(x, residual, norm_w, 1e-6, q, s)
+    got, got_res = fp8_gemv_rmsnorm(x, residual, norm_w, 1e-6, q, s,
+                                    _gemv(32, 64, split_k, bit_decode))  # fmt: skip
+    assert got.shape == (m, n) and got.dtype == got_res.dtype == torch.bfloat16
+    if DEVICE == "cuda":  # the interpreter truncates float32 -> bf16 instead of rounding
+        assert torch.equal(got_res, want_res)
+    assert rel_err(got_res, want_res) < 1e-2
+    assert rel_err(got, want) < 1e-2
 
 
 @pytest.mark.parametrize("m,split_k", [(1, 1), (1, 4), (3, 2), (8, 3)])

@@ -5,6 +5,7 @@ import triton.language as tl
 
 import kernels.triton.fused_moe as fused_moe_module
 from kernels.reference.fused_moe import fused_moe_reference
+from kernels.reference.moe_align import moe_align_reference
 from kernels.reference.quant_formats import dequant_mxfp4, random_fp8_block, random_mxfp4
 from kernels.triton._common import interpreting
 from kernels.triton._fused_moe_kernels import (
@@ -14,7 +15,7 @@ from kernels.triton._fused_moe_kernels import (
     _tile_ids,
 )
 from kernels.triton.fused_moe import SharedExpert, fused_moe
-from kernels.triton.moe_align import moe_align, moe_align_torch
+from kernels.triton.moe_align import moe_align
 from tests.kernels._helpers import DEVICE, gpu_only, rel_err
 
 
@@ -40,19 +41,29 @@ def make_moe(t, d, i, e, a, fmt, seed, scale_dtype=torch.float32):
     return args, kw
 
 
-def test_moe_align_groups_every_pair_once():
+@pytest.mark.parametrize("twin", [False, True])
+def test_moe_align_groups_every_pair_once_in_pair_order(twin):
     ids = torch.randint(0, 5, (7, 3), generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    al = moe_align(ids, num_experts=5, block_m=4)
+    if twin:
+        sorted_pairs, block_expert = moe_align_reference(ids, 5, 4)
+    else:
+        al = moe_align(ids, num_experts=5, block_m=4)
+        sorted_pairs, block_expert = al.sorted_pairs, al.block_expert
     flat = ids.flatten()
-    real = al.sorted_pairs[al.sorted_pairs < al.num_pairs].long()
+    real = sorted_pairs[sorted_pairs < 21].long()
     assert sorted(real.tolist()) == list(range(21))
-    tiles = al.sorted_pairs.view(-1, 4)
+    # grouped by expert, ascending; pair order kept within an expert
+    assert torch.equal(real, torch.argsort(flat.long(), stable=True))
+    tiles = sorted_pairs.view(-1, 4)
+    assert tiles.shape[0] == block_expert.numel() == -(-(21 + 5 * 3) // 4)
     for b, tile in enumerate(tiles):
-        pairs = tile[tile < al.num_pairs].long()
-        if al.block_expert[b] < 0:
+        pairs = tile[tile < 21].long()
+        if block_expert[b] < 0:
             assert pairs.numel() == 0
         else:
-            assert (flat[pairs] == al.block_expert[b]).all()
+            assert (flat[pairs] == block_expert[b]).all()
+            # the pads of a tile follow its pairs
+            assert bool((tile[pairs.numel() :] == 21).all())
 
 
 @pytest.mark.parametrize(
@@ -74,9 +85,9 @@ def test_moe_align_kernel_equals_torch_twin_and_zeroes(t, a, e, block_m):
     ids = torch.stack([torch.randperm(e, generator=g)[:a] for _ in range(t)]).int().to(DEVICE)
     acc = torch.randn(t, 300, generator=g).to(DEVICE)  # not zero: the launch must zero it
     al = moe_align(ids, e, block_m, zero=acc)
-    ref = moe_align_torch(ids, e, block_m)
-    assert torch.equal(al.sorted_pairs, ref.sorted_pairs)
-    assert torch.equal(al.block_expert, ref.block_expert)
+    sorted_pairs, block_expert = moe_align_reference(ids, e, block_m)
+    assert torch.equal(al.sorted_pairs, sorted_pairs)
+    assert torch.equal(al.block_expert, block_expert)
     assert bool((acc == 0).all())
 
 

@@ -47,6 +47,25 @@ def test_mla_decode_matches_reference(lens, splits, heads, prefetch, value_block
     assert rel_err(out, mla_decode_reference(*args, scale=scale)) < 1e-2
 
 
+def test_reference_reads_a_padded_context_without_a_sync():
+    # The engine's contract: every row reads max_context slots (host-known, past some rows'
+    # block tables), those past the row's device-side length masked; a NaN left in a slot
+    # past a row's length (a stale entry) must not reach its output. Against a plain loop
+    # over each row's own slots.
+    lens = [5, 37, 1]
+    q_c, q_r, cache, tables, lens_t = make_case(lens, heads=3, kvl=32, r=16, bs=16, seed=4)
+    cache = cache.float()
+    cache.view(-1, 48)[tables[0, 0].long() * 16 + 7] = float("nan")  # row 0's slot 7 > 5
+    got = mla_decode_reference(q_c.float(), q_r.float(), cache, tables, lens_t, 0.2,
+                               max_context=80)  # fmt: skip
+    for b, n in enumerate(lens):
+        t = torch.arange(n, device=cache.device)
+        entries = cache.view(-1, 48)[tables[b, t // 16].long() * 16 + t % 16]  # [n, 48]
+        c, k = entries[:, :32], entries[:, 32:]
+        scores = (q_c[b].float() @ c.t() + q_r[b].float() @ k.t()) * 0.2  # [H, n]
+        torch.testing.assert_close(got[b], scores.softmax(-1) @ c, rtol=1e-5, atol=1e-6)
+
+
 @pytest.mark.parametrize("prefetch", [0, 1])
 def test_value_blocks_with_tiles_across_pages(prefetch):
     # 8-slot pages under 16-slot tiles: each tile's value slice is reloaded from two pages

@@ -10,6 +10,7 @@ import triton.language as tl
 
 import kernels.triton.fused_moe as fused_moe_module
 from kernels.reference.fused_moe import fused_moe_reference
+from kernels.reference.moe_int8 import act_quant_int8_reference
 from kernels.triton._common import interpreting
 from kernels.triton._moe_int8_kernels import decode_e2m1_int8, dp4a, quantize_int8_words
 from kernels.triton.fused_moe import fused_moe
@@ -75,18 +76,27 @@ def _quantize_kernel(x_ptr, q_ptr, s_ptr, M: tl.constexpr, K: tl.constexpr):
     tl.store(s_ptr + rows[:, None] * (K // 32) + tl.arange(0, K // 32)[None, :], scale)
 
 
-def test_activation_quantization_matches_a_plain_int8_rounding():
+def test_activation_quantization_matches_its_torch_twin():
     g = torch.Generator().manual_seed(2)
     x = torch.randn(4, 128, generator=g) * torch.logspace(-3, 3, 4)[:, None]
     x[1, 32:64] = 0.0  # an all-zero block: scale tiny, codes zero, no NaN
+    x[2, :3] = torch.tensor([127.0, 63.5, -63.5]) / 8  # step 1/8: codes 63.5 tie away
+    x[2, 3:32] = x[2, 3:32].clamp(-1, 1) / 8
     q = torch.empty(4, 32, dtype=torch.int32, device=DEVICE)
     s = torch.empty(4, 4, device=DEVICE)
     _quantize_kernel[(1,)](x.to(DEVICE), q, s, M=4, K=128)
+    q_ref, s_ref = act_quant_int8_reference(x)
+    assert torch.equal(q.cpu(), q_ref) and torch.equal(s.cpu(), s_ref)
+    # the twin itself: codes x / step rounded, step = amax / 127, packed 4 bytes to a word
     blocks = x.view(4, 4, 32)
     step = blocks.abs().amax(-1).clamp_min(1e-30) / 127
-    want = (blocks / step[..., None]).round()  # ties are measure-zero for random floats
-    assert torch.equal(q.cpu().view(torch.int8).view(4, 4, 32).float(), want)
-    torch.testing.assert_close(s.cpu(), step / 2, rtol=1e-6, atol=0)
+    codes = q_ref.view(torch.int8).view(4, 4, 32).float()
+    assert ((codes - blocks / step[..., None]).abs() <= 0.5).all()
+    assert torch.equal(s_ref, step / 2)
+    assert codes[2, 0, :3].tolist() == [127.0, 64.0, -64.0]
+    b = [int(c) & 0xFF for c in codes[0, 0, :4]]  # element 4j + i in byte i of word j
+    word = b[0] | b[1] << 8 | b[2] << 16 | b[3] << 24
+    assert q_ref[0, 0].item() == (word - (1 << 32) if word >= 1 << 31 else word)
 
 
 INT8 = dict(KERNEL="int8", BLOCK_M=1, BLOCK_N=32, BLOCK_K=64, num_warps=4)

@@ -1,13 +1,16 @@
-"""moe_prologue's one launch must give what its separate launches give: moe_gate_route's
-ids and weights, moe_align's grouping, the int8 path's quantized x, and a zeroed
-accumulator; and fused_moe must give the same result with it as without."""
+"""moe_prologue's one launch must give what its torch twin gives (kernels/reference/
+moe_prologue.py: the routing, the grouping, the int8 quantization of x and a zeroed
+accumulator), the very bits of its separate launches (moe_gate_route, moe_align, the int8
+path's quantization), and fused_moe the same result with it as without."""
 
 import pytest
 import torch
 
 import kernels.triton.moe_prologue as prologue_module
+from kernels.reference.moe_prologue import moe_prologue_reference
+from kernels.reference.moe_router import moe_route_reference
 from kernels.triton.fused_moe import _act_quant_int8, fused_moe, start_shared_expert
-from kernels.triton.moe_align import moe_align_torch
+from kernels.triton.moe_align import moe_align
 from kernels.triton.moe_prologue import PROLOGUE_MAX_TOKENS, moe_prologue
 from kernels.triton.moe_router import moe_gate_route
 from tests.kernels._helpers import DEVICE, gpu_only, rel_err
@@ -45,41 +48,63 @@ def _routing(e, k, ng, tg, scoring, with_bias, g):
 
 
 def _check_alignment(got, ids, e, block_m):
-    """moe_align's grouping, or with a tile per pair (one-pair tiles, or one token) the
-    pairs in their own order, each followed by its tile's pads."""
+    """The twin's grouping of the launch's ids (moe_align's, or with a tile per pair the
+    pairs in their own order, each followed by its tile's pads)."""
     p = ids.numel()
     assert got.num_pairs == p and got.block_m == block_m
-    if block_m == 1 or ids.shape[0] == 1:
-        tiles = torch.full((p, block_m), p, dtype=torch.int32, device=ids.device)
-        tiles[:, 0] = torch.arange(p, dtype=torch.int32, device=ids.device)
-        assert torch.equal(got.sorted_pairs, tiles.view(-1))
-        assert torch.equal(got.block_expert, ids.reshape(-1))
-        return
-    want = moe_align_torch(ids, e, block_m)
+    want = moe_prologue_reference(torch.zeros(ids.shape[0], 32, device=ids.device),
+                                  torch.zeros(e, 32, device=ids.device), ids.shape[1],
+                                  block_m, False, topk_ids=ids)  # fmt: skip
     assert torch.equal(got.sorted_pairs, want.sorted_pairs)
     assert torch.equal(got.block_expert, want.block_expert)
 
 
 @pytest.mark.parametrize("case", CASES)
-def test_prologue_equals_the_separate_launches(case, monkeypatch):
+def test_prologue_matches_its_torch_twin(case, monkeypatch):
     t, d, e, k, ng, tg, scoring, with_bias, block_m, int8 = case
     g = torch.Generator().manual_seed(t * 31 + e)
     x = torch.randn(t, d, generator=g).bfloat16().to(DEVICE)
     w = (torch.randn(e, d, generator=g) / d**0.5).to(DEVICE)
     routing = _routing(e, k, ng, tg, scoring, with_bias, g)
+    # Precondition: float64 logits pick the twin's ids, so a near tie (float32 sums in
+    # another order) shows up as a bad seed, not as a kernel bug.
+    logits64 = (x.double() @ w.double().t()).float()
+    ids64 = moe_route_reference(logits64, **routing)[1]
     monkeypatch.setattr(prologue_module.torch, "empty", _poisoned_empty(torch.empty))
     got = moe_prologue(x, w, block_m=block_m, quantize_int8=int8, **routing)
     monkeypatch.undo()
+    want = moe_prologue_reference(x, w, block_m=block_m, quantize_int8=int8, **routing)
+    assert torch.equal(want.topk_ids, ids64), "near tie: pick a seed"
+    assert torch.equal(got.topk_ids.long(), want.topk_ids)
+    torch.testing.assert_close(got.topk_weights, want.topk_weights, rtol=1e-5, atol=1e-6)
+    assert torch.equal(got.alignment.sorted_pairs, want.sorted_pairs)
+    assert torch.equal(got.alignment.block_expert, want.block_expert)
+    assert torch.equal(got.acc, want.acc)
+    if int8:
+        assert torch.equal(got.x_int8[0], want.x_int8[0])
+        assert torch.equal(got.x_int8[1], want.x_int8[1])
+    else:
+        assert got.x_int8 is None
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prologue_equals_the_separate_launches(case):
+    t, d, e, k, ng, tg, scoring, with_bias, block_m, int8 = case
+    g = torch.Generator().manual_seed(t * 31 + e)
+    x = torch.randn(t, d, generator=g).bfloat16().to(DEVICE)
+    w = (torch.randn(e, d, generator=g) / d**0.5).to(DEVICE)
+    routing = _routing(e, k, ng, tg, scoring, with_bias, g)
+    got = moe_prologue(x, w, block_m=block_m, quantize_int8=int8, **routing)
     weights, ids = moe_gate_route(x, w, **routing)
     # the same float32 GEMV and routing code: the same bits
     assert torch.equal(got.topk_ids, ids) and torch.equal(got.topk_weights, weights)
-    _check_alignment(got.alignment, ids, e, block_m)
-    assert torch.equal(got.acc, torch.zeros(t, d, device=DEVICE))
+    if block_m > 1 and t > 1:
+        al = moe_align(ids, e, block_m)
+        assert torch.equal(got.alignment.sorted_pairs, al.sorted_pairs)
+        assert torch.equal(got.alignment.block_expert, al.block_expert)
     if int8:
         xq, xs = _act_quant_int8(x)
         assert torch.equal(got.x_int8[0], xq) and torch.equal(got.x_int8[1], xs)
-    else:
-        assert got.x_int8 is None
 
 
 @pytest.mark.parametrize("fmt,config", [
