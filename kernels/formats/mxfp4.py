@@ -71,7 +71,8 @@ def dequantize_mxfp4(
 
 
 def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(packed uint8 [N, K/2], scales uint8 E8M0 [N, K/32]); K must be a multiple of 32.
+    """(packed uint8 [OUT, IN/2], scales uint8 E8M0 [OUT, IN/32]); IN must be a multiple of
+    32.
 
     The scale is the smallest power of two that brings the group's absolute max to <= 6;
     values round to the nearest E2M1 value (ties to the larger magnitude)."""
@@ -79,7 +80,7 @@ def quantize_mxfp4(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if k % GROUP:
         raise ValueError(f"MXFP4 needs the input dimension to be a multiple of {GROUP}, got {k}")
     groups = w.float().view(n, k // GROUP, GROUP)
-    amax = groups.abs().amax(dim=-1)  # [N, K/32]
+    amax = groups.abs().amax(dim=-1)  # [OUT, IN/32]
     scales = float_to_e8m0_ceil(torch.where(amax > 0, amax / FP4_MAX, torch.ones_like(amax)))
     scaled = groups / e8m0_to_float(scales)[:, :, None]
     return pack_fp4(nearest_e2m1_codes(scaled).view(n, k)), scales

@@ -1,11 +1,11 @@
 """Decoders for the stored weight formats the GPU kernels read, and makers of random
-weights in those formats (tests and benchmarks).
+weights in those formats (tests and benchmarks). A weight is [OUT, IN] (docs/shapes.md).
 
-FP8 block-scaled (DeepSeek V3 / V4 dense): q E4M3 [N, K], one scale per 128x128 block,
-  float32 `weight_scale_inv` [ceil(N/128), ceil(K/128)] (V3) or E8M0 uint8 (V4, 2^(s-127));
+FP8 block-scaled (DeepSeek V3 / V4 dense): q E4M3 [OUT, IN], one scale per 128x128 block,
+  float32 `weight_scale_inv` [ceil(OUT/128), ceil(IN/128)] (V3) or E8M0 uint8 (V4, 2^(s-127));
   W[n, k] = q[n, k] * s[n // 128, k // 128].
-MXFP4 (V4 experts): uint8 [N, K/2], the low nibble holds the even k; code -> E2M1 table;
-  one E8M0 scale per 32 K-values per row, scale [N, K/32]; W = table[code] * 2^(s-127).
+MXFP4 (V4 experts): uint8 [OUT, IN/2], the low nibble holds the even k; code -> E2M1 table;
+  one E8M0 scale per 32 IN-values per row, scale [OUT, IN/32]; W = table[code] * 2^(s-127).
 """
 
 from __future__ import annotations
@@ -28,7 +28,8 @@ def block_scales_float(scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequant_fp8_block(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """[..., N, K] E4M3 with [..., ceil(N/128), ceil(K/128)] scales -> float32 [..., N, K]."""
+    """[..., OUT, IN] E4M3 with [..., ceil(OUT/128), ceil(IN/128)] scales -> float32
+    [..., OUT, IN]."""
     n, k = q.shape[-2:]
     s = block_scales_float(scale)
     s = s.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :]
@@ -37,11 +38,12 @@ def dequant_fp8_block(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 
 
 def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    """[..., N, K/2] uint8 nibbles with [..., N, K/32] E8M0 scales -> float32 [..., N, K].
+    """[..., OUT, IN/2] uint8 nibbles with [..., OUT, IN/32] E8M0 scales -> float32
+    [..., OUT, IN].
 
     Unlike kernels.formats.mxfp4.dequantize_mxfp4 (one 2-D weight, a row range), this takes
     stacked experts: any leading dimensions."""
-    values = e2m1_table(packed.device)[unpack_fp4(packed).long()]  # [..., N, K]
+    values = e2m1_table(packed.device)[unpack_fp4(packed).long()]  # [..., OUT, IN]
     s = e8m0_to_float(scale).repeat_interleave(MXFP4_GROUP, dim=-1)
     return values * s
 
@@ -49,7 +51,7 @@ def dequant_mxfp4(packed: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
 def random_fp8_block(
     shape: tuple[int, ...], scale_dtype: torch.dtype = torch.float32, device="cpu", generator=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random E4M3 codes [..., N, K] and block scales, values of order 1/sqrt(K)."""
+    """Random E4M3 codes [..., OUT, IN] and block scales, values of order 1/sqrt(IN)."""
     *lead, n, k = shape
     q = (torch.randn(shape, generator=generator) * 2.0).to(torch.float8_e4m3fn)
     sshape = (*lead, -(-n // FP8_BLOCK), -(-k // FP8_BLOCK))
@@ -64,7 +66,8 @@ def random_fp8_block(
 def random_mxfp4(
     shape: tuple[int, ...], device="cpu", generator=None
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Random MXFP4 weight for a logical [..., N, K]: packed [..., N, K/2], scales [..., N, K/32]."""
+    """Random MXFP4 weight for a logical [..., OUT, IN]: packed [..., OUT, IN/2], scales
+    [..., OUT, IN/32]."""
     *lead, n, k = shape
     if k % MXFP4_GROUP:
         raise ValueError(f"MXFP4 needs K divisible by {MXFP4_GROUP}, got K={k}")
