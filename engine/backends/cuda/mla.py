@@ -21,9 +21,9 @@ from engine.backends.cuda.norm_linear import KERNEL_DTYPES, StackedLinear, fp8_n
 from engine.ops.attention_context import AttentionContext
 from engine.ops.device_layer import DeviceSetup, register
 from engine.ops.mla import MlaOps, TorchMlaOps, check_ready
-from engine.ops.mla_forms import context_slots
 from engine.quant.fp8_block import Fp8BlockFormat
 from engine.spec_decode.mtp import MAX_DRAFTS
+from kernels.reference.mla_decode import mla_decode_reference
 
 MIN_DOT_K = 16  # tl.dot needs K >= 16; the decode kernel dots over the latent and rope widths
 
@@ -136,8 +136,9 @@ class CudaMlaOps(TorchMlaOps):
             o_lat = mla_decode(q_c, q_rope, cache, tables, lens, attn.scale, self.fixed_splits,
                                value_blocks=1)  # fmt: skip
         else:
-            o_lat = absorbed_decode_torch(q_c, q_rope, cache, tables, lens,
-                                          ctx.max_context_len, ctx.block_size, attn.scale)  # fmt: skip
+            o_lat = mla_decode_reference(
+                q_c, q_rope, cache, tables, lens, attn.scale, ctx.max_context_len
+            )
         out = fixed_bmm(o_lat.transpose(0, 1), self.w_uv_t.to(o_lat.dtype))  # [H, T, V]
         out = out.transpose(0, 1).reshape(T, H * V)
         return attn.o_proj(out.to(dtype))
@@ -218,8 +219,8 @@ class CudaMlaOps(TorchMlaOps):
                 q_c, q_rope, cache, ctx.block_tables, ctx.context_lens, attn.scale, splits
             )  # [T, H, R]
         else:  # float32 (the kernel's float32 dots round to tf32), or dims under tl.dot's K
-            o_lat = absorbed_decode_torch(q_c, q_rope, cache, ctx.block_tables, ctx.context_lens,
-                                          ctx.max_context_len, ctx.block_size, attn.scale)  # fmt: skip
+            o_lat = mla_decode_reference(q_c, q_rope, cache, ctx.block_tables, ctx.context_lens, attn.scale,
+                                          ctx.max_context_len)  # fmt: skip
         # The value half written straight in [T, H, V] order (cuBLAS takes the strided
         # output), so no transpose copy before o_proj.
         out = torch.empty((T, H, d.v_head_dim), dtype=o_lat.dtype, device=q.device)
@@ -234,23 +235,6 @@ def query_tables(ctx: AttentionContext, positions: torch.Tensor):
         torch.arange(ctx.num_seqs), torch.tensor(ctx.query_lens_host)
     ).to(ctx.block_tables.device, non_blocking=True)
     return ctx.block_tables[seq_of].contiguous(), (positions + 1).to(torch.int32)
-
-
-def absorbed_decode_torch(q_c, q_rope, cache, block_tables, context_lens, max_len: int,
-                          block_size: int, scale: float):  # fmt: skip
-    """The decode kernel's contract in torch, with no host sync: every row reads max_len
-    slots (host-known), those past its device-side length masked.
-    q_c [T, H, R], q_rope [T, H, P] -> [T, H, R]."""
-    R = q_c.shape[-1]
-    slots = context_slots(block_tables, max_len, block_size)  # [T, L]
-    entries = cache.view(-1, cache.shape[-1])[slots]  # [T, L, R+P]
-    latent, k_rope = entries[..., :R], entries[..., R:]
-    scores = torch.einsum("thr,tlr->thl", q_c, latent)
-    scores = (scores + torch.einsum("thp,tlp->thl", q_rope, k_rope)) * scale  # [T, H, L]
-    keys = torch.arange(slots.shape[1], device=q_c.device)
-    pad = keys[None, :] >= context_lens[:, None]  # [T, L]
-    probs = scores.masked_fill(pad[:, None, :], float("-inf")).softmax(dim=-1)
-    return torch.einsum("thl,tlr->thr", probs, latent)
 
 
 @register("mla", "cuda")
