@@ -11,11 +11,14 @@ which output position the first difference is, per model, with batch_invariant o
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
 import time
 from pathlib import Path
+
+import torch
 
 from engine import LLM, Request, SamplingParams
 from engine.checkpoint_maker import make_random_checkpoint
@@ -67,6 +70,8 @@ def measure(path: Path, dtype: str, batch: int, batch_invariant: bool) -> dict:
     mixed = _run(llm, targets, others)
     firsts = [_first_difference(a, m) for a, m in zip(alone, mixed)]
     del llm
+    gc.collect()  # the engine's graphs and KV cache go before the next one sizes its cache
+    torch.cuda.empty_cache()
     return {
         "dtype": dtype,
         "batch_invariant": batch_invariant,

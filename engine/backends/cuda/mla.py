@@ -26,6 +26,8 @@ from engine.spec_decode.mtp import MAX_DRAFTS
 from kernels.reference.mla_decode import mla_decode_reference
 
 MIN_DOT_K = 16  # tl.dot needs K >= 16; the decode kernel dots over the latent and rope widths
+# Query rows per decode-kernel launch when a prefill's queries run through it.
+ROWS_PER_LAUNCH = 256
 
 
 class CudaMlaOps(TorchMlaOps):
@@ -133,8 +135,17 @@ class CudaMlaOps(TorchMlaOps):
         q_c = q_c.transpose(0, 1).to(cache.dtype).contiguous()  # [T, H, R]
         q_rope = q[..., N:].to(cache.dtype).contiguous()  # [T, H, P]
         if cache.dtype in KERNEL_DTYPES and min(d.kv_lora_rank, d.qk_rope_head_dim) >= MIN_DOT_K:
-            o_lat = mla_decode(q_c, q_rope, cache, tables, lens, attn.scale, self.fixed_splits,
-                               value_blocks=1)  # fmt: skip
+            # Rows in chunks: the split partials' buffer grows with the rows (a prefill's
+            # thousands), and a row's result does not depend on its chunk.
+            chunks = range(0, T, ROWS_PER_LAUNCH)
+            o_lat = torch.cat([
+                mla_decode(q_c[r : r + ROWS_PER_LAUNCH], q_rope[r : r + ROWS_PER_LAUNCH], cache,
+                           tables[r : r + ROWS_PER_LAUNCH], lens[r : r + ROWS_PER_LAUNCH],
+                           attn.scale, self.fixed_splits, value_blocks=1)
+                for r in chunks
+            ]) if len(chunks) > 1 else mla_decode(
+                q_c, q_rope, cache, tables, lens, attn.scale, self.fixed_splits, value_blocks=1
+            )  # fmt: skip
         else:
             o_lat = mla_decode_reference(
                 q_c, q_rope, cache, tables, lens, attn.scale, ctx.max_context_len
