@@ -22,56 +22,14 @@ from __future__ import annotations
 import os
 import resource
 import tempfile
-import threading
 import time
 from pathlib import Path
 
 import click
 
-from batchgen.bench.common import write_result
+from batchgen.bench.common import PeakRss, write_result
 
 MIXED_TASKS = Path(__file__).resolve().parents[2] / "data" / "tasks" / "mixed_tasks.parquet"
-
-
-def _rss_anon() -> int:
-    """Anonymous resident bytes (Linux /proc): RSS without the file-backed pages of the
-    memory-mapped embedding cache, which the kernel can drop at any time."""
-    with open("/proc/self/status") as f:
-        for line in f:
-            if line.startswith("RssAnon:"):
-                return int(line.split()[1]) * 1024
-    return 0
-
-
-class PeakRss:
-    """Samples this process's resident set size on a thread: `peak` (all of RSS) and
-    `peak_anon` (RSS less file-backed pages), in bytes."""
-
-    def __init__(self, interval_s: float = 0.05):
-        import psutil
-
-        self._process = psutil.Process()
-        self.interval_s = interval_s
-        self.start_rss = self._process.memory_info().rss
-        self.start_anon = _rss_anon()
-        self.peak = self.start_rss
-        self.peak_anon = self.start_anon
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, daemon=True)
-
-    def _run(self) -> None:
-        while not self._stop.wait(self.interval_s):
-            self.peak = max(self.peak, self._process.memory_info().rss)
-            self.peak_anon = max(self.peak_anon, _rss_anon())
-
-    def __enter__(self) -> PeakRss:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        self.peak = max(self.peak, self._process.memory_info().rss)
 
 
 class ReplayEmbedder:
@@ -218,14 +176,20 @@ def run_benchmark(rows: int, embed_sample: int, work_dir: Path, device: str = "a
 @click.option("--work-dir", type=click.Path(file_okay=False), help="Scratch (default: a temp dir).")
 def command(rows: int, embed_sample: int, device: str, name: str | None, work_dir: str | None):
     """Cluster ROWS short prompts with bounded memory; record prompts/s, time, peak RSS."""
-    from rich.console import Console
-    from rich.table import Table
-
     embed_sample = min(embed_sample, rows)
     with tempfile.TemporaryDirectory(dir=work_dir) as scratch:
         payload = run_benchmark(rows, embed_sample, Path(scratch), device)
     name = name or f"clustering-{'cuda' if payload['device'].startswith('cuda') else 'cpu'}"
     path = write_result(name, payload)
+    print_table(payload)
+    click.echo(f"wrote {path}")
+
+
+def print_table(payload: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    rows = payload["rows"]
     table = Table(title=f"clustering {rows:,} prompts ({payload['device']})")
     table.add_column("stage")
     table.add_column("value", justify="right")
@@ -241,4 +205,3 @@ def command(rows: int, embed_sample: int, device: str, name: str | None, work_di
     table.add_row("estimated embedding of every row", f"{e['embed_all_s']:,} s")
     table.add_row("estimated total", f"{e['total_h']} h")
     Console().print(table)
-    click.echo(f"wrote {path}")

@@ -1,4 +1,5 @@
-"""What every benchmark records: the machine, the command, and where the JSON goes."""
+"""What every benchmark records (the machine, the command, where the JSON goes), and the
+peak-RSS sampler the memory benchmarks share."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import json
 import os
 import platform
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -51,3 +53,51 @@ def write_result(name: str, payload: dict) -> Path:
     path = BENCH_DIR / f"{name}.json"
     path.write_text(json.dumps(payload, indent=2) + "\n")
     return path
+
+
+def _rss_anon() -> int:
+    """Anonymous resident bytes (Linux /proc): RSS without file-backed pages (a
+    memory-mapped cache, shared libraries), which the kernel can drop at any time."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("RssAnon:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
+class PeakRss:
+    """Samples this process's resident set size on a thread while entered: `peak` (all of
+    RSS) and `peak_anon` (RSS less file-backed pages), in bytes, with `start_rss` and
+    `start_anon` as they were at construction."""
+
+    def __init__(self, interval_s: float = 0.05):
+        import psutil
+
+        self._process = psutil.Process()
+        self.interval_s = interval_s
+        self.start_rss = self._process.memory_info().rss
+        self.start_anon = _rss_anon()
+        self.peak = self.start_rss
+        self.peak_anon = self.start_anon
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _sample(self) -> None:
+        self.peak = max(self.peak, self._process.memory_info().rss)
+        self.peak_anon = max(self.peak_anon, _rss_anon())
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.interval_s):
+            self._sample()
+
+    def __enter__(self) -> PeakRss:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        self._sample()

@@ -179,7 +179,7 @@ def bench_linear(
         x = torch.randn(m, k, device=device, dtype=torch.bfloat16)
         nbytes = per_copy + m * k * 2 + m * n * 2
         for native in natives:
-            # Untuned: what the engine gets today (the committed table, else the heuristic).
+            # Untuned: what the engine launches (the committed table, else the heuristic).
             cfg = choose_config(m, n, k, device, native)
             if tune and m <= tune_max_tokens:
                 cfg = tune_fp8_linear.tune(x, weights, native)
@@ -312,6 +312,27 @@ def run(
     return {"copy_tb_s": copy_bps / 1e12, "tuned": tune, "results": rows}
 
 
+def run_linear_paths() -> dict:
+    """The payload of `--linear-paths`: time_linear_paths on this GPU, us per call."""
+    if not torch.cuda.is_available():
+        raise click.ClickException("bench kernels needs a CUDA GPU")
+    device = torch.device("cuda")
+    return {"copy_tb_s": copy_bandwidth(device) / 1e12, "unit": "us per call",
+            "results": time_linear_paths(device)}  # fmt: skip
+
+
+def parse_shapes(text: str) -> tuple[tuple[int, int], ...]:
+    """`NxK,NxK` -> ((N, K), ...); empty text -> ()."""
+    try:
+        shapes = tuple(tuple(int(d) for d in v.lower().split("x")) for v in text.split(",")
+                       if v.strip())  # fmt: skip
+    except ValueError as err:
+        raise click.BadParameter(f"{text!r}: expected NxK,... ({err})") from err
+    if any(len(shape) != 2 for shape in shapes):
+        raise click.BadParameter(f"{text!r}: expected NxK,...")
+    return shapes
+
+
 @click.command("kernels")
 @click.option("--tune", is_flag=True, help="Sweep launch configs per case and keep the best.")
 @click.option("--tuned-dir", type=click.Path(path_type=Path), default=None,
@@ -353,22 +374,11 @@ def command(
 ) -> None:
     """Fused MoE and FP8 linear: GB/s and % of copy bandwidth, vs plain torch."""
     if linear_paths:
-        if not torch.cuda.is_available():
-            raise click.ClickException("bench kernels needs a CUDA GPU")
-        device = torch.device("cuda")
-        payload = {"copy_tb_s": copy_bandwidth(device) / 1e12, "unit": "us per call",
-                   "results": time_linear_paths(device)}  # fmt: skip
-        click.echo(f"wrote {write_result(name, payload)}")
+        click.echo(f"wrote {write_result(name, run_linear_paths())}")
         return
     counts = tuple(int(v) for v in tokens.split(",") if v.strip())
     linear_counts = tuple(int(v) for v in linear_tokens.split(",") if v.strip())
-    try:
-        shapes = tuple(tuple(int(d) for d in v.lower().split("x")) for v in linear_shapes.split(",")
-                       if v.strip())  # fmt: skip
-    except ValueError as err:
-        raise click.BadParameter(f"{linear_shapes!r}: expected NxK,... ({err})") from err
-    if any(len(shape) != 2 for shape in shapes):
-        raise click.BadParameter(f"{linear_shapes!r}: expected NxK,...")
+    shapes = parse_shapes(linear_shapes)
     payload = run(tune=tune, tuned_dir=tuned_dir, only=only, tokens=counts,
                   linear=not no_linear, tune_max_tokens=tune_max_tokens,
                   linear_tokens=linear_counts or ENGINE_LINEAR_TOKENS,

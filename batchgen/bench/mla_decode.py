@@ -16,6 +16,7 @@ from __future__ import annotations
 import functools
 import itertools
 import math
+from collections.abc import Callable
 
 import click
 import torch
@@ -136,25 +137,34 @@ def bench_case(name: str, batch: int, context: int, heads: int, copy_bps: float,
     return rows
 
 
+def run(only: str = "", on_case: Callable[[dict], None] | None = None) -> dict:
+    """Every case (or those whose name contains one of `only`'s comma-separated parts);
+    returns {"copy_tb_s", "results"}. `on_case(payload)` is called after each case, so a
+    run stopped at its time limit can keep the cases it finished."""
+    if not torch.cuda.is_available():
+        raise click.ClickException("bench mla-decode needs a CUDA GPU")
+    device = torch.device("cuda")
+    parts = [p.strip() for p in only.split(",") if p.strip()]
+    cases = [c for c in CASES if not parts or any(p in c[0] for p in parts)]
+    if not cases:
+        raise click.ClickException(f"--only {only!r} matches none of {[c[0] for c in CASES]}")
+    copy_bps = copy_bandwidth(device)
+    payload: dict = {"copy_tb_s": copy_bps / 1e12, "results": []}
+    for case in cases:
+        payload["results"] += bench_case(*case, copy_bps, device)
+        if on_case is not None:
+            on_case(payload)
+    return payload
+
+
 @click.command("mla-decode")
 @click.option("--only", default="", help="Cases whose name contains this (comma: any of several).")
 @click.option("--name", default="mla-decode-h200", show_default=True, help="JSON file name.")
 def command(only: str, name: str) -> None:
     """MLA decode attention: GB/s and % of copy bandwidth over a sweep of launch settings."""
-    if not torch.cuda.is_available():
-        raise click.ClickException("bench mla-decode needs a CUDA GPU")
-    device = torch.device("cuda")
-    copy_bps = copy_bandwidth(device)
-    parts = [p.strip() for p in only.split(",") if p.strip()]
-    cases = [c for c in CASES if not parts or any(p in c[0] for p in parts)]
-    if not cases:
-        raise click.ClickException(f"--only {only!r} matches none of {[c[0] for c in CASES]}")
-    rows = []
-    for case in cases:
-        rows += bench_case(*case, copy_bps, device)
-        # after every case: a run stopped at its time limit keeps the cases it finished
-        path = write_result(name, {"copy_tb_s": copy_bps / 1e12, "results": rows})
-    click.echo(f"wrote {path}")
+    written = []
+    run(only, on_case=lambda payload: written.append(write_result(name, payload)))
+    click.echo(f"wrote {written[-1]}")
 
 
 if __name__ == "__main__":

@@ -205,9 +205,6 @@ def command(
     model, input_path, batch, max_tokens, column, id_column, limit, device, dtype, name, assignments
 ):
     """Distinct experts per layer per step: arrival order vs planned (clustered) order."""
-    from rich.console import Console
-    from rich.table import Table
-
     payload = run_benchmark(
         model,
         Path(input_path),
@@ -221,8 +218,17 @@ def command(
         assignments,
     )
     path = write_result(name or f"routing-{Path(model).name}", payload)
+    print_table(payload)
+    click.echo(f"wrote {path}")
+
+
+def print_table(payload: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
     arrival, planned = payload["arrival"], payload["planned"]
-    table = Table(title=f"routing: {payload['prompts']} prompts, batch {batch}, {model}")
+    title = f"routing: {payload['prompts']} prompts, batch {payload['batch']}, {payload['model']}"
+    table = Table(title=title)
     table.add_column("")
     table.add_column("arrival", justify="right")
     table.add_column("planned", justify="right")
@@ -255,4 +261,3 @@ def command(
             "",
         )
     Console().print(table)
-    click.echo(f"wrote {path}")

@@ -149,6 +149,42 @@ def tune_weights(path: Path, weights: str, batches: tuple[int, ...], prompt_len:
     return {"tuned": tuned, "rows": rows}
 
 
+def run(
+    preset: str,
+    layers: int | None,
+    weights: list[str],
+    buckets: tuple[int, ...],
+    prompt_len: int,
+    workdir: Path,
+    name: str,
+    tuned_dir: Path | None = None,
+) -> dict:
+    """Tune each weight format's entries at `buckets` on a random `preset` checkpoint;
+    writes data/benchmarks/<name>.json after each format (a cut-off run keeps its rows)
+    and, with `tuned_dir`, the merged fused_moe table. Returns the payload."""
+    if not torch.cuda.is_available():
+        raise click.UsageError("bench step-tune needs a CUDA GPU")
+    unknown = [w for w in weights if w not in WEIGHTS]
+    if unknown:
+        raise click.BadParameter(f"unknown weights {unknown}; choose from {sorted(WEIGHTS)}")
+    payload: dict = {"preset": preset, "layers": layers, "prompt_tokens": prompt_len,
+                     "results": [], "tuned": {}}  # fmt: skip
+    for w in weights:
+        t0 = time.perf_counter()
+        path = make_checkpoint(workdir, preset, layers, w)
+        out = tune_weights(path, w, buckets, prompt_len)
+        shutil.rmtree(path, ignore_errors=True)
+        payload["results"] += out["rows"]
+        payload["tuned"].update(out["tuned"])
+        log(f"{w}: tuned in {time.perf_counter() - t0:.0f} s")
+        write_result(name, payload)
+    if tuned_dir is not None:
+        device = configs.device_key(torch.device("cuda"))
+        log(f"wrote {configs.write_entries(OP, device, payload['tuned'], tuned_dir)}")
+    log(f"wrote {write_result(name, payload)}")
+    return payload
+
+
 @click.command("step-tune")
 @click.option("--preset", default="moonlight-16b-a3b", show_default=True)
 @click.option("--layers", type=int, default=None, help="Fewer layers at real shapes.")
@@ -163,28 +199,9 @@ def tune_weights(path: Path, weights: str, batches: tuple[int, ...], prompt_len:
 @click.option("--name", default="step-tune-h200-moonlight", show_default=True)
 def command(preset, layers, weights, batches, prompt_len, workdir, tuned_dir, name):
     """Tune the decode step's fused-MoE table entries inside the step's CUDA graph."""
-    if not torch.cuda.is_available():
-        raise click.UsageError("bench step-tune needs a CUDA GPU")
     chosen = [w.strip() for w in weights.split(",") if w.strip()]
-    unknown = [w for w in chosen if w not in WEIGHTS]
-    if unknown:
-        raise click.BadParameter(f"unknown weights {unknown}; choose from {sorted(WEIGHTS)}")
     buckets = tuple(int(b) for b in batches.split(",") if b.strip())
-    payload: dict = {"preset": preset, "layers": layers, "prompt_tokens": prompt_len,
-                     "results": [], "tuned": {}}  # fmt: skip
-    for w in chosen:
-        t0 = time.perf_counter()
-        path = make_checkpoint(workdir, preset, layers, w)
-        out = tune_weights(path, w, buckets, prompt_len)
-        shutil.rmtree(path, ignore_errors=True)
-        payload["results"] += out["rows"]
-        payload["tuned"].update(out["tuned"])
-        log(f"{w}: tuned in {time.perf_counter() - t0:.0f} s")
-        write_result(name, payload)  # after each weight format: a cut-off run keeps its rows
-    if tuned_dir is not None:
-        device = configs.device_key(torch.device("cuda"))
-        log(f"wrote {configs.write_entries(OP, device, payload['tuned'], tuned_dir)}")
-    log(f"wrote {write_result(name, payload)}")
+    run(preset, layers, chosen, buckets, prompt_len, workdir, name, tuned_dir)
 
 
 if __name__ == "__main__":
