@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 5 must-show 3 at full Moonlight-16B-A3B shapes on the GPU box: the routing benchmark
+# `bench routing` at full Moonlight-16B-A3B shapes on the GPU box: arrival vs planned order
 # with clusters computed on a dev machine (the GPU image has no embedding model), carried in
 # data/tasks/mixed_tasks_assignments.parquet. Needs pydantic wheels carried in .whl/.
 set -u -o pipefail

@@ -358,8 +358,9 @@ def device_ops(prof, top: int = 16) -> list[dict]:
 
 def device_time_by_op(prof, top: int = 24) -> dict[str, float]:
     """Device time of the kernels each op launched, summed over every call site: device_ops
-    splits an op by its Python stack, so glue spread over many call sites (the gathers of a
-    prefill step: 10 ms of index kernels, none in device_ops' top 16) shows only here."""
+    splits an op by its Python stack, so glue spread over many call sites (a prefill step's
+    gathers: many small index kernels, each call site too small for device_ops' top rows)
+    shows only here."""
     rows: collections.Counter = collections.Counter()
     for e in prof.key_averages():
         us = getattr(e, "self_device_time_total", None)

@@ -3,9 +3,10 @@ rather than of each kernel alone.
 
 Why: at a few tokens the shared expert's launches run on a side stream beside the routed
 experts', and a tile tuned alone (fused_moe.py here) can be the worst one beside them. On
-the H200 (Moonlight shape, FP8 + MXFP4, batch 1) the shared expert's FP8 down took 21-25 us
-in the step against 7.5 us alone; a DOWN tile chosen in the step (32 rows, K in 4 splits)
-took decode from 444 to 485 tok/s (docs/notes-gpu-engine.md). So `tune_entries` patches
+the H200 (Moonlight shape, FP8 + MXFP4, batch 1) the shared expert's FP8 down runs ~3x
+longer in the step than alone, and the DOWN tile chosen in the step (32 rows, K in 4
+splits) makes decode ~9% faster than the tile chosen alone (docs/notes-gpu-engine.md, "v10
+results"). So `tune_entries` patches
 one entry at a time (coordinate descent over a few stages of candidates, configs.store) and
 asks the caller to time the step with it; the caller owns the step (capturing its graph
 again, replaying it on real decode inputs), this module only the configs.
