@@ -766,22 +766,14 @@ def _ints(text: str) -> tuple[int, ...]:
               help="Our engine's requests: 0 is greedy (transformers stays greedy).")  # fmt: skip
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens, workdir, name,
-            fp8_native_min_tokens, shared_expert_stream, mla_expanded_float32,
-            main_stream_first, separate_prefill, min_prefill_seqs, batch_invariant, fold_input_norm,
-            temperature, top_p):  # fmt: skip
+            temperature, top_p, **engine_options):  # fmt: skip
     """Decode tok/s of a DeepSeek-V3-family MoE on the GPU vs transformers and the roofline."""
     chosen = tuple(w.strip() for w in weights.split(",") if w.strip())
     unknown = [w for w in chosen if w not in WEIGHTS]
     if unknown:
         raise click.BadParameter(f"unknown weights {unknown}; choose from {sorted(WEIGHTS)}")
-    engine_options = dict(fp8_native_min_tokens=fp8_native_min_tokens or None,
-                          shared_expert_stream=shared_expert_stream,
-                          mla_expanded_float32=mla_expanded_float32,
-                          main_stream_first=main_stream_first,
-                          separate_prefill=separate_prefill,
-                          min_prefill_seqs=min_prefill_seqs,
-                          fold_input_norm=fold_input_norm,
-                          batch_invariant=batch_invariant)  # fmt: skip
+    # every other option is an LLM keyword argument, under its own name
+    engine_options["fp8_native_min_tokens"] = engine_options["fp8_native_min_tokens"] or None
     run(preset, layers, chosen, _ints(batches), _ints(hf_batches), prompt_len, new_tokens,
         workdir, name, engine_options,
         {"temperature": temperature, "top_p": top_p, "seed": 0} if temperature > 0 else None)  # fmt: skip

@@ -3,8 +3,13 @@ itself needs a GPU): they run the requests to the end and report what they name.
 
 from __future__ import annotations
 
+import pytest
+import torch
+from click.testing import CliRunner
+
 from batchgen.bench.decode_moe import profile_prefill_step, run_engine_batch, run_varied_lengths
 from engine import LLM
+from engine.config import FP8_NATIVE_MIN_TOKENS
 
 
 def test_batch_run_splits_prefill_from_decode(tiny_model_dir):
@@ -39,3 +44,29 @@ def test_varied_lengths_run_counts_each_kind_of_step(tiny_model_dir):
         assert r["first_run_e2e_tok_s"] > 0  # the same workload, run first (compiles in it)
         assert r["steps"]["decode"] > 0 and r["steps"]["prefill or mixed"] > 0
         assert llm.engine.scheduler.schedule.__name__ == "schedule"  # the wrapper is gone
+
+
+def test_every_engine_option_of_the_command_is_an_llm_option():
+    # The command runs only on a GPU; what it hands LLM(...) is checked here: every option
+    # that is not the bench's own (a named parameter of the command) goes to LLM by name.
+    import inspect
+
+    from batchgen.bench.decode_moe import command
+    from engine.config import EngineConfig
+
+    own = set(inspect.signature(command.callback).parameters) - {"engine_options"}
+    engine = {p.name: p.default for p in command.params if p.name not in own}
+    assert {"fp8_native_min_tokens", "batch_invariant", "separate_prefill"} <= set(engine)
+    config = EngineConfig.from_options("model", **engine)
+    assert config.batch_invariant and config.cuda.fp8_native_min_tokens == FP8_NATIVE_MIN_TOKENS
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the CPU's")
+def test_the_command_parses_its_options_and_refuses_without_a_gpu():
+    from batchgen.bench.decode_moe import command
+
+    args = ["--weights", "fp8-mxfp4", "--batches", "1,8", "--no-batch-invariant", "--one-stream"]
+    result = CliRunner().invoke(command, args)
+    assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
+    result = CliRunner().invoke(command, ["--weights", "fp4"])
+    assert result.exit_code == 2 and "unknown weights ['fp4']" in result.output
