@@ -35,3 +35,33 @@ def test_sweep_covers_tiles_warps_stages_and_prefetch():
     }
     assert {s["prefetch"] for s in sweep} == {0, 1}
     assert {s.get("value_blocks", 1) for s in sweep} == {1, 2, 4, 8}
+
+
+def test_command_writes_the_json_after_every_case(tmp_path, monkeypatch):
+    # The sweep itself needs a GPU; the case selection and the per-case writes do not.
+    import json
+
+    from click.testing import CliRunner
+
+    from batchgen.bench import mla_decode
+
+    written = []
+
+    def fake_case(name, batch, context, heads, copy_bps, device):
+        path = tmp_path / "bench" / "t.json"
+        written.append(json.loads(path.read_text())["results"] if path.exists() else [])
+        return [{"case": name, "us": 1.0}]
+
+    monkeypatch.setattr(mla_decode.torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(mla_decode, "copy_bandwidth", lambda device: 4e12)
+    monkeypatch.setattr(mla_decode, "bench_case", fake_case)
+    monkeypatch.setattr("batchgen.bench.common.machine_info", lambda: {"gpu": "none"})
+    monkeypatch.setattr("batchgen.bench.common.BENCH_DIR", tmp_path / "bench")
+    result = CliRunner().invoke(mla_decode.command, ["--only", "b1-,v3", "--name", "t"])
+    assert result.exit_code == 0, result.output
+    payload = json.loads((tmp_path / "bench" / "t.json").read_text())
+    cases = ["moonlight-b1-ctx256", "moonlight-b1-ctx4096", "v3-b32-ctx1024"]
+    assert [r["case"] for r in payload["results"]] == cases and payload["copy_tb_s"] == 4.0
+    assert [len(w) for w in written] == [0, 1, 2]  # each case finds the ones before it on disk
+    result = CliRunner().invoke(mla_decode.command, ["--only", "nothing"])
+    assert result.exit_code == 1 and "matches none" in result.output
