@@ -124,8 +124,8 @@ class TorchMlaOps(MlaOps):
 
         def run(attend, seqs: list[int], **options) -> None:
             # Every layer of the step groups the same sequences alike: the indices are built
-            # and copied once per step (per layer, the copy through pinned memory was the
-            # top host wait in a profiled 128-prompt prefill step on the H200). A context
+            # and copied once per step (per layer, the copy through pinned memory would be
+            # the top host wait of a 128-prompt prefill step on the H200). A context
             # is one step's: its positions, tables and lengths are the same for each layer.
             rows_d, pos, tables, lens_d, picked_d, dest = ctx.shared(
                 ("mla-rows", tuple(seqs)), lambda: indices(seqs)

@@ -95,7 +95,8 @@ def mla_decode(
 ) -> torch.Tensor:
     """Returns [B, H, R] in q_c's dtype. See the module docstring for the layouts.
     `prefetch` (split sequences only): 1 loads each cache tile's page indices one tile
-    ahead (H200, batch 1: 12.5 -> 11.8 us per launch, docs/notes-gpu-engine.md), 0 does not.
+    ahead (~6% less time per launch at batch 1 on the H200, docs/notes-gpu-engine.md), 0
+    does not.
     `value_blocks` (default_value_blocks when None) splits each head block's output
     columns over that many programs."""
     assert q_c.dim() == 3 and q_rope.dim() == 3, "q_c and q_rope must be [B, H, D]"
