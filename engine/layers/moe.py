@@ -19,8 +19,9 @@ from engine.quant.expert_format import ExpertWeightFormat, UnquantizedExperts
 def expert_format(
     quant: QuantConfig | None, prefix: str, in_features: int, out_features: int
 ) -> ExpertWeightFormat:
-    pick = getattr(quant, "expert_format_for", None)
-    return pick(prefix, in_features, out_features) if pick else UnquantizedExperts()
+    if quant is None:
+        return UnquantizedExperts()
+    return quant.expert_format_for(prefix, in_features, out_features)
 
 
 class ExpertProjection(nn.Module):

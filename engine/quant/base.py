@@ -14,6 +14,8 @@ from abc import ABC, abstractmethod
 import torch
 from torch import nn
 
+from engine.quant.expert_format import ExpertWeightFormat, UnquantizedExperts
+
 
 class WeightFormat(ABC):
     name: str = "abstract"
@@ -41,3 +43,10 @@ class QuantConfig(ABC):
 
     @abstractmethod
     def format_for(self, prefix: str, in_features: int, out_features: int) -> WeightFormat: ...
+
+    def expert_format_for(
+        self, prefix: str, in_features: int, out_features: int
+    ) -> ExpertWeightFormat:
+        """The stacked experts' format (an ExpertWeightFormat) of one expert projection;
+        plain weights unless the checkpoint quantizes its experts."""
+        return UnquantizedExperts()
