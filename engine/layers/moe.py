@@ -1,6 +1,10 @@
 """DeepSeekMoE block: a float32 router, E routed experts stored stacked per layer, and
 shared experts added unweighted. The arithmetic is the device's MoE ops
 (engine/ops/moe.py; legend: docs/shapes.md).
+
+`swiglu_limit` (V4) clamps the routed and the shared experts' gate and up before the
+activation (engine/ops/moe.py swiglu); None (V3) leaves them unclamped. A hash-routed layer
+(RouterSpec.hash_routing) needs the step's token ids: forward takes them as `input_ids`.
 """
 
 from __future__ import annotations
@@ -73,11 +77,13 @@ class RoutedExperts(nn.Module):
         intermediate_size: int,
         quant: QuantConfig | None,
         prefix: str,
+        swiglu_limit: float | None = None,
     ) -> None:
         super().__init__()
         D, I, E = hidden_size, intermediate_size, num_experts
         dtype = torch.get_default_dtype()
         self.num_experts = E
+        self.swiglu_limit = swiglu_limit
         self.gate_proj = ExpertProjection(
             E, D, I, expert_format(quant, f"{prefix}.gate_proj", D, I), dtype, f"{prefix}.gate_proj"
         )
@@ -105,12 +111,18 @@ class DeepseekMoE(nn.Module, DeviceLayer):
         quant: QuantConfig | None,
         prefix: str,
         layer_index: int,
+        swiglu_limit: float | None = None,
     ) -> None:
         super().__init__()
         self.layer_index = layer_index
         self.gate = DeepseekRouter(hidden_size, spec)
         self.experts = RoutedExperts(
-            spec.num_experts, hidden_size, moe_intermediate_size, quant, f"{prefix}.experts"
+            spec.num_experts,
+            hidden_size,
+            moe_intermediate_size,
+            quant,
+            f"{prefix}.experts",
+            swiglu_limit,
         )
         self.shared_experts = (
             SwiGluMlp(
@@ -118,6 +130,7 @@ class DeepseekMoE(nn.Module, DeviceLayer):
                 moe_intermediate_size * n_shared_experts,
                 quant,
                 f"{prefix}.shared_experts",
+                swiglu_limit,
             )
             if n_shared_experts
             else None
@@ -129,5 +142,7 @@ class DeepseekMoE(nn.Module, DeviceLayer):
     def prepare(self, setup: DeviceSetup) -> None:
         self.ops = build("moe", self, setup)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.ops.forward(self, x)
+    def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, D] -> [T, D]; `input_ids` [T], the step's token ids, is read only by a
+        hash-routed layer (which raises without them)."""
+        return self.ops.forward(self, x, input_ids)

@@ -5,6 +5,9 @@ Legend: docs/shapes.md (T tokens, D hidden, E routed experts, K experts per toke
 Dropless: every token is computed by all K of its experts whatever the batch holds. The
 torch path groups the (token, slot) pairs by expert (a stable sort plus bincount) and runs
 each touched expert once on its rows, dequantizing its stored weight on the fly.
+
+The experts' activation is swiglu below: silu(gate) * up, with V4's `swiglu_limit` clamps
+where the config sets one.
 """
 
 from __future__ import annotations
@@ -19,9 +22,20 @@ from engine.ops.device_layer import DeviceSetup, register
 
 class MoeOps(ABC):
     @abstractmethod
-    def forward(self, moe, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, moe, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, D] -> the routed experts' weighted sum plus the shared experts, [T, D]
-        (in x's dtype, or float32 where the next op, a residual add, takes it)."""
+        (in x's dtype, or float32 where the next op, a residual add, takes it).
+        `input_ids` [T]: the step's token ids, which a hash-routed layer's router needs."""
+
+
+def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> torch.Tensor:
+    """silu(gate) * up [.., I]; with a limit (V4's `swiglu_limit`) gate is clamped from
+    above only and up to [-limit, limit] first, as transformers' DeepseekV4Experts and
+    DeepseekV4MLP do."""
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up
 
 
 def routed_experts_forward(
@@ -32,6 +46,7 @@ def routed_experts_forward(
     Experts run in ascending id order and add into the output with index_add_, the same
     accumulation order as transformers' reference loop, so float32 results agree exactly."""
     T, K = ids.shape
+    limit = experts.swiglu_limit
     flat = ids.reshape(-1)  # [T*K]
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
@@ -44,7 +59,7 @@ def routed_experts_forward(
             continue
         rows = token_of[start : start + count]
         h = x[rows]  # [n, D]
-        act = F.silu(experts.gate_proj(expert, h)) * experts.up_proj(expert, h)  # [n, I]
+        act = swiglu(experts.gate_proj(expert, h), experts.up_proj(expert, h), limit)  # [n, I]
         y = experts.down_proj(expert, act) * weight_of[start : start + count, None]  # [n, D]
         out.index_add_(0, rows, y.to(out.dtype))
         start += count
@@ -52,8 +67,8 @@ def routed_experts_forward(
 
 
 class TorchMoeOps(MoeOps):
-    def forward(self, moe, x):
-        weights, ids = moe.gate(x)  # [T, K] float32, [T, K]
+    def forward(self, moe, x, input_ids=None):
+        weights, ids = moe.gate(x, input_ids)  # [T, K] float32, [T, K]
         if moe.routing_recorder is not None:
             moe.routing_recorder.record(moe.layer_index, ids, moe.experts.bytes_per_expert())
         out = routed_experts_forward(moe.experts, x, weights, ids)

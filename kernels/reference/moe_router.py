@@ -15,6 +15,11 @@ Legend: docs/shapes.md (T tokens, E routed experts, G expert groups, K experts p
   ids = top_k of `choice`
   weights = s[ids]; if norm_topk_prob: / (sum + 1e-20); then * routed_scaling_factor
 
+Hash routing (V4's first `num_hash_layers` layers, moe_hash_route_reference): the ids are
+a fixed table's row for each token, ids = tid2eid[token_ids] (tid2eid [vocab, K]), with no
+bias and no groups; the weights are computed from s exactly as above (transformers'
+DeepseekV4HashRouter).
+
 Returns (weights [T, K] float32, ids [T, K] int64), the order used everywhere.
 """
 
@@ -71,10 +76,32 @@ def moe_route_reference(
         fill = float("-inf") if group_score == "top2" else 0.0
         choice = choice.masked_fill(~keep, fill)
     ids = choice.topk(top_k, dim=-1, sorted=sorted).indices  # [T, K]
+    return _chosen_weights(scores, ids, norm_topk_prob, routed_scaling_factor), ids
+
+
+def moe_hash_route_reference(
+    logits: torch.Tensor,
+    token_ids: torch.Tensor,
+    tid2eid: torch.Tensor,
+    norm_topk_prob: bool = True,
+    routed_scaling_factor: float = 1.0,
+    scoring: str = "sqrtsoftplus",
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits [T, E], token_ids [T], tid2eid [vocab, K] -> (weights [T, K] float32, ids
+    [T, K] int64): each token's experts are its tid2eid row, in the table's order."""
+    scores = routing_scores(logits, scoring)  # [T, E]
+    ids = tid2eid[token_ids.reshape(-1)].long()  # [T, K]
+    return _chosen_weights(scores, ids, norm_topk_prob, routed_scaling_factor), ids
+
+
+def _chosen_weights(
+    scores: torch.Tensor, ids: torch.Tensor, norm_topk_prob: bool, routed_scaling_factor: float
+) -> torch.Tensor:
+    """scores [T, E], ids [T, K] -> the chosen experts' weights [T, K] float32."""
     weights = scores.gather(1, ids)  # [T, K]
     if norm_topk_prob:
         weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
-    return weights * routed_scaling_factor, ids
+    return weights * routed_scaling_factor
 
 
 def moe_gate_route_reference(

@@ -7,6 +7,9 @@ Nothing here reads a device value back to the host (sizes come from host-known T
 so a decode step can be captured in one CUDA graph (engine/cuda_graph_runner.py). A
 float32 model (exactness tests) keeps the torch code except for the experts, which are
 gathered by id (no host sync) where they are unquantized.
+
+A layer the kernels cannot compute (CudaMoeOps.unsupported: V4's hash routing and SwiGLU
+clamps) takes the torch ops instead, which read expert counts back to the host: eager only.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from engine.backends.cuda.expert_stacking import (
 )
 from engine.backends.cuda.norm_linear import KERNEL_DTYPES
 from engine.ops.device_layer import DeviceSetup, register
-from engine.ops.moe import MoeOps, routed_experts_forward
+from engine.ops.moe import TORCH_MOE, MoeOps, routed_experts_forward
 
 # Tokens up to which the shared expert runs inside the fused MoE launches, where it saves
 # launches and runs beside the routed experts. Larger steps are arithmetic-bound, where
@@ -70,11 +73,25 @@ class CudaMoeOps(MoeOps):
         self.routing_top_k = gate.spec.top_k
         self.invariant = setup.batch_invariant
 
+    @staticmethod
+    def unsupported(moe) -> str | None:
+        """What in this layer the kernels do not compute, or None: the router kernels have
+        no tid2eid lookup, and the fused MoE kernels (and the shared expert fused into
+        them) no swiglu_limit clamp."""
+        if moe.gate.spec.hash_routing:
+            return "hash routing"
+        shared = moe.shared_experts
+        if moe.experts.swiglu_limit is not None or (
+            shared is not None and shared.swiglu_limit is not None
+        ):
+            return "swiglu_limit"
+        return None
+
     def uses_kernels(self, x: torch.Tensor) -> bool:
         return self.fused is not None and x.dtype in KERNEL_DTYPES
 
-    def forward(self, moe, x):
-        """x [T, D] -> [T, D]. On the fused path the result is the kernels' float32
+    def forward(self, moe, x, input_ids=None):
+        """x [T, D] -> [T, D] (`input_ids` is unread: hash-routed layers take the torch ops). On the fused path the result is the kernels' float32
         accumulator: the next step is always the pre-norm residual add (the fused RMSNorm
         takes a float32 x), so a cast launch per layer is saved."""
         from kernels.triton.fused_moe import start_shared_expert
@@ -224,4 +241,6 @@ def gathered_experts(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch
 
 @register("moe", "cuda")
 def cuda_moe_ops(moe, setup: DeviceSetup) -> MoeOps:
+    if CudaMoeOps.unsupported(moe) is not None:
+        return TORCH_MOE
     return CudaMoeOps(moe, setup)
