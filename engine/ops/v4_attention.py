@@ -1,0 +1,89 @@
+"""DeepSeek-V4's attention arithmetic for a sliding-window layer (compress ratio 0), as pure
+torch functions over explicit tensors, the oracle a paged window ring and its kernels are
+tested against.
+
+Legend: docs/shapes.md (T tokens, L keys the queries may see, H heads, D hidden); `Dh` is
+`head_dim` (512 in V4-Flash), `P` the rope dims at the end of each head (`qk_rope_head_dim`,
+64), `G` the output groups (`o_groups`), `Ro` the group rank (`o_lora_rank`).
+
+    qr  = q_norm(wq_a(x))                                   [T, q_lora_rank]
+    q   = rope(unit_rms(wq_b(qr).view(T, H, Dh)), pos)      per-head RMS, no weight
+    kv  = rope(kv_norm(wkv(x)), pos)                        [T, Dh]: one MQA head, K = V
+    o_h = sum_l p_hl kv_l,  p = softmax over {q_h.kv_l * Dh^-0.5 | l in window} + sink_h
+    o   = rope(o, -pos)                                     de-rotation at the query
+    out = wo_b(concat_g(o_g @ wo_a[g]^T))                   o_g: heads of group g
+
+The rope is interleaved (pairs 2i, 2i+1) on the last P dims of a head. A key is visible to
+the query at position t when t - window < pos <= t: the window counts the query itself.
+The sink is a per-head logit in the softmax's denominator with no value, so a row's
+probabilities sum to less than 1. The value the query reads carries the key's rotation;
+de-rotating the output at the query position leaves each key's contribution a function of
+the distance only. Every product here runs in the inputs' dtype; the rope and the
+normalisations compute in float32 and cast back, as transformers does.
+"""
+
+from __future__ import annotations
+
+import torch
+
+
+def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
+    """positions [T] -> (cos, sin) [T, P/2] float32, one angle per interleaved pair. V4's
+    compressed layers use YaRN frequencies without its attention factor, so there is none."""
+    freqs = positions.float()[:, None] * inv_freq.float()[None, :]
+    return freqs.cos(), freqs.sin()
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x [T, ..., Dh] with cos/sin [T, P/2] -> x with its last P dims rotated pairwise:
+    (a, b) -> (a cos - b sin, b cos + a sin), in float32, cast back to x's dtype. Pass -sin
+    to rotate back."""
+    half = cos.shape[-1]
+    view = (cos.shape[0],) + (1,) * (x.dim() - 2) + (half,)
+    cos, sin = cos.reshape(view), sin.reshape(view)
+    nope, rope = x[..., : -2 * half], x[..., -2 * half :].float()
+    a, b = rope[..., 0::2], rope[..., 1::2]  # [T, ..., P/2]
+    rotated = torch.stack((a * cos - b * sin, b * cos + a * sin), dim=-1).flatten(-2)
+    return torch.cat([nope, rotated.to(x.dtype)], dim=-1)
+
+
+def unit_rms(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x * rsqrt(mean(x^2) + eps) over the last dim, no weight: the per-head q norm. The
+    scale is formed in float32 and cast to x's dtype before the product."""
+    return x * torch.rsqrt(x.float().square().mean(-1, keepdim=True) + eps).to(x.dtype)
+
+
+def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.Tensor:
+    """q_pos [T], k_pos [L] -> [T, L] bool: key l is visible to query t (causal, and within
+    the last `window` positions including t's own)."""
+    delta = q_pos[:, None] - k_pos[None, :]
+    return (delta >= 0) & (delta < window)
+
+
+def sink_attention(
+    q: torch.Tensor,
+    keys: torch.Tensor,
+    visible: torch.Tensor,
+    sinks: torch.Tensor,
+    scale: float,
+) -> torch.Tensor:
+    """q [T, H, Dh], keys [L, Dh] (the values too), visible [T, L] bool, sinks [H] ->
+    o [T, H, Dh]. softmax over the visible keys and the head's sink logit; the sink takes
+    probability and gives nothing. A query that sees no key reads zeros."""
+    scores = torch.einsum("thd,ld->htl", q, keys) * scale  # [H, T, L]
+    scores = scores.masked_fill(~visible[None], float("-inf"))
+    sink = sinks.to(scores.dtype)[:, None, None].expand(-1, q.shape[0], 1)  # [H, T, 1]
+    logits = torch.cat([scores, sink], dim=-1)
+    logits = logits - logits.max(dim=-1, keepdim=True).values
+    probs = torch.softmax(logits, dim=-1)[..., :-1].to(keys.dtype)  # [H, T, L]
+    return torch.einsum("htl,ld->thd", probs, keys)
+
+
+def grouped_low_rank(o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
+    """o [T, H, Dh], wo_a [G * Ro, H * Dh / G] -> [T, G * Ro], the input of wo_b. Group g
+    is heads g * H / G ... (g + 1) * H / G - 1 flattened, projected by wo_a's rows
+    g * Ro ... (g + 1) * Ro - 1; a block-diagonal product, so G is read from the shapes."""
+    T = o.shape[0]
+    x = o.reshape(T, -1, wo_a.shape[1]).transpose(0, 1)  # [G, T, H*Dh/G]
+    w = wo_a.view(x.shape[0], -1, wo_a.shape[1])  # [G, Ro, H*Dh/G]
+    return torch.bmm(x, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)  # [T, G*Ro]
