@@ -2,14 +2,14 @@
 torch functions over explicit tensors, the oracle a paged window ring and its kernels are
 tested against.
 
-Legend: docs/shapes.md (T tokens, L keys the queries may see, H heads, D hidden); `Dh` is
-`head_dim` (512 in V4-Flash), `P` the rope dims at the end of each head (`qk_rope_head_dim`,
-64), `G` the output groups (`o_groups`), `Ro` the group rank (`o_lora_rank`).
+Legend: docs/shapes.md (T tokens, L keys the queries may see, H heads, D hidden, P the rope
+dims at the end of each head, `qk_rope_head_dim`); sizes without a letter are spelled as
+their config keys: `head_dim` (512 in V4-Flash), `o_groups` (8), `o_lora_rank` (1024).
 
     qr  = q_norm(wq_a(x))                                   [T, q_lora_rank]
-    q   = rope(unit_rms(wq_b(qr).view(T, H, Dh)), pos)      per-head RMS, no weight
-    kv  = rope(kv_norm(wkv(x)), pos)                        [T, Dh]: one MQA head, K = V
-    o_h = sum_l p_hl kv_l,  p = softmax over {q_h.kv_l * Dh^-0.5 | l in window} + sink_h
+    q   = rope(unit_rms(wq_b(qr).view(T, H, head_dim)), pos)    per-head RMS, no weight
+    kv  = rope(kv_norm(wkv(x)), pos)                   [T, head_dim]: one MQA head, K = V
+    o_h = sum_l p_hl kv_l    p = softmax({q_h.kv_l / sqrt(head_dim) | l in window}, sink_h)
     o   = rope(o, -pos)                                     de-rotation at the query
     out = wo_b(concat_g(o_g @ wo_a[g]^T))                   o_g: heads of group g
 
@@ -35,7 +35,7 @@ def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x [T, ..., Dh] with cos/sin [T, P/2] -> x with its last P dims rotated pairwise:
+    """x [T, ..., head_dim] with cos/sin [T, P/2] -> x with its last P dims rotated pairwise:
     (a, b) -> (a cos - b sin, b cos + a sin), in float32, cast back to x's dtype. Pass -sin
     to rotate back."""
     half = cos.shape[-1]
@@ -67,8 +67,8 @@ def sink_attention(
     sinks: torch.Tensor,
     scale: float,
 ) -> torch.Tensor:
-    """q [T, H, Dh], keys [L, Dh] (the values too), visible [T, L] bool, sinks [H] ->
-    o [T, H, Dh]. softmax over the visible keys and the head's sink logit; the sink takes
+    """q [T, H, head_dim], keys [L, head_dim] (the values too), visible [T, L] bool,
+    sinks [H] -> o [T, H, head_dim]. softmax over the visible keys and the head's sink logit; the sink takes
     probability and gives nothing. A query that sees no key reads zeros."""
     scores = torch.einsum("thd,ld->htl", q, keys) * scale  # [H, T, L]
     scores = scores.masked_fill(~visible[None], float("-inf"))
@@ -80,10 +80,12 @@ def sink_attention(
 
 
 def grouped_low_rank(o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
-    """o [T, H, Dh], wo_a [G * Ro, H * Dh / G] -> [T, G * Ro], the input of wo_b. Group g
-    is heads g * H / G ... (g + 1) * H / G - 1 flattened, projected by wo_a's rows
-    g * Ro ... (g + 1) * Ro - 1; a block-diagonal product, so G is read from the shapes."""
+    """o [T, H, head_dim], wo_a [o_groups * o_lora_rank, H * head_dim / o_groups] ->
+    [T, o_groups * o_lora_rank], the input of wo_b. Group g is the heads g * H / o_groups ...
+    flattened, projected by its own o_lora_rank rows of wo_a: a block-diagonal product, so
+    o_groups is read from the shapes."""
     T = o.shape[0]
-    x = o.reshape(T, -1, wo_a.shape[1]).transpose(0, 1)  # [G, T, H*Dh/G]
-    w = wo_a.view(x.shape[0], -1, wo_a.shape[1])  # [G, Ro, H*Dh/G]
-    return torch.bmm(x, w.transpose(1, 2)).transpose(0, 1).reshape(T, -1)  # [T, G*Ro]
+    x = o.reshape(T, -1, wo_a.shape[1]).transpose(0, 1)  # [o_groups, T, H*head_dim/o_groups]
+    w = wo_a.view(x.shape[0], -1, wo_a.shape[1])  # [o_groups, o_lora_rank, same]
+    y = torch.bmm(x, w.transpose(1, 2))  # [o_groups, T, o_lora_rank]
+    return y.transpose(0, 1).reshape(T, -1)  # [T, o_groups * o_lora_rank]
