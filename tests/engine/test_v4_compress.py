@@ -257,3 +257,22 @@ def test_chunks_split_inside_windows_equal_the_whole_prefix(kind, splits):
         start = end
     assert torch.equal(torch.cat(pieces), whole)
     _close(torch.cat(layer_pieces), cache.layers[layer_idx].compressed_kv[name][0])
+
+
+@torch.no_grad()
+def test_indexer_decode_after_prefill_matches_transformers():
+    """A 30-token prefill then 7 decode steps: each step's selection over the keys committed
+    so far (from the carried state) equals transformers' cached indexer, tie-aware."""
+    cfg, gen, hf, comp, idx = _csa(5, topk=3)
+    x, qr = _inputs(gen)
+    state, keys = idx.compressor.new_state(), torch.zeros(0, IDX_DIM)
+    cache = DynamicCache(config=cfg)
+    for start, end in [(0, 30)] + [(p, p + 1) for p in range(30, T)]:
+        positions = torch.arange(start, end)
+        new, _ = idx.compressor.chunk_entries(x[0, start:end], start, state)
+        keys = torch.cat([keys, new])
+        expected = hf.indexer(x[:, start:end], qr[:, start:end], positions[None], cache, CSA_LAYER)
+        scores = idx.scores(x[0, start:end], qr[0, start:end], positions, keys)
+        got = idx.select(x[0, start:end], qr[0, start:end], positions, keys)
+        _assert_same_selection(got, expected[0], scores)
+    assert keys.shape[0] == T // CSA
