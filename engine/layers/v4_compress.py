@@ -21,14 +21,13 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from engine.ops.v4_attention import apply_rope, rope_cos_sin
 from engine.ops.v4_compress import (
     compress_chunk,
     compress_prefix,
     indexer_scores,
     indexer_topk,
     new_state,
-    rope_cos_sin,
-    rope_tail,
 )
 
 
@@ -132,7 +131,7 @@ class V4Indexer(nn.Module):
         """x [T, D], qr [T, q_lora_rank], positions [T], keys [n, d_i] -> scores [T, n]."""
         q = F.linear(qr, self.wq_b.weight).view(-1, self.heads, self.head_dim)
         cos, sin = rope_cos_sin(positions, self.compressor.inv_freq)
-        q = rope_tail(q, cos, sin)
+        q = apply_rope(q, cos, sin)
         return indexer_scores(q, keys, F.linear(x, self.weights_proj.weight))
 
     def select(

@@ -32,6 +32,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from engine.ops.v4_attention import apply_rope, rope_cos_sin
+
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """float32 RMSNorm times a float32 weight, cast back to x's dtype (transformers'
@@ -39,26 +41,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     xf = x.float()
     xf = xf * torch.rsqrt(xf.square().mean(-1, keepdim=True) + eps)
     return (weight.float() * xf).to(x.dtype)
-
-
-def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """positions [n] -> (cos, sin) [n, P/2] float32. V4's compressed layers use YaRN's
-    frequencies without its mscale, so there is no attention factor here."""
-    freqs = positions.float()[:, None] * inv_freq.float()[None, :]
-    return freqs.cos(), freqs.sin()
-
-
-def rope_tail(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Interleaved RoPE on the last P = 2 * cos.shape[-1] dims of x [n, ..., d]; cos, sin
-    [n, P/2] broadcast over x's middle dims. The pairs are (2i, 2i + 1) of the rope slice."""
-    half = cos.shape[-1]
-    shape = (cos.shape[0],) + (1,) * (x.dim() - 2) + (2 * half,)
-    cos = cos.repeat_interleave(2, dim=-1).reshape(shape)
-    sin = sin.repeat_interleave(2, dim=-1).reshape(shape)
-    nope, rope = x[..., : -2 * half], x[..., -2 * half :]
-    rotated = torch.stack((-rope[..., 1::2], rope[..., 0::2]), dim=-1).flatten(-2)
-    out = rope.float() * cos + rotated.float() * sin
-    return torch.cat([nope, out.to(x.dtype)], dim=-1)
 
 
 def state_rows(ratio: int, overlap: bool) -> int:
@@ -119,7 +101,7 @@ def _pool(
     entries = rms_norm(pooled, norm_weight, eps)
     positions = (torch.arange(kv.shape[0], device=kv.device) + first) * ratio
     cos, sin = rope_cos_sin(positions, inv_freq)
-    return rope_tail(entries, cos, sin).to(dtype)
+    return apply_rope(entries, cos, sin).to(dtype)
 
 
 def compress_prefix(
