@@ -49,7 +49,8 @@ from engine.models.deepseek_v4_names import (  # noqa: E402
     to_layout,
 )
 
-FLASH = Path(__file__).resolve().parents[3] / "shared/models/deepseek-v4-flash/config.json"
+# The hub's own config.json of DeepSeek-V4-Flash, as published.
+FLASH = Path(__file__).resolve().parent / "data" / "deepseek-v4-flash-config.json"
 YARN = {"factor": 4.0, "original_max_position_embeddings": 32, "beta_fast": 32, "beta_slow": 1}
 
 
