@@ -9,6 +9,7 @@ neither of them knows the model runner."""
 from __future__ import annotations
 
 import logging
+import math
 
 import psutil
 import torch
@@ -17,7 +18,7 @@ from engine.backends.prepare import prepare_model
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.loader import ModelSource, open_model_source
-from engine.models.base import CausalLM
+from engine.models.base import CacheSpec, CausalLM
 from engine.models.registry import model_class_for
 from engine.ops.attention_context import AttentionContext
 from engine.ops.device_layer import DeviceSetup
@@ -27,6 +28,20 @@ from engine.scheduler import ScheduledBatch
 from engine.sequence import PENDING_TOKEN, Sequence
 
 log = logging.getLogger(__name__)
+
+
+def aligned_block_size(block_size: int, specs: list[CacheSpec]) -> int:
+    """`block_size` rounded up to a multiple of every cache's tokens_per_entry, so a block
+    holds whole entries of each (V4's compressed caches: one entry per 4 or 128 tokens)."""
+    step = 1
+    for spec in specs:
+        step = math.lcm(step, spec.tokens_per_entry)
+    aligned = -(-block_size // step) * step
+    if aligned != block_size:
+        log.info(
+            "block_size %d -> %d (a multiple of every cache's entry span)", block_size, aligned
+        )
+    return aligned
 
 
 class ModelRunner:
@@ -39,7 +54,7 @@ class ModelRunner:
         self.max_model_len = min(
             self.model.max_model_len, config.max_model_len or self.model.max_model_len
         )
-        self.block_size = config.block_size
+        self.block_size = aligned_block_size(config.block_size, self.model.cache_specs())
         # read once: the engine checks every new token against it
         self.eos_token_ids: list[int] = self._eos_token_ids()
         self.graphs = None
@@ -58,11 +73,12 @@ class ModelRunner:
         # each layer takes its device's ops (engine/backends: Triton kernels on CUDA)
         prepare_model(self.model, DeviceSetup(self.device, self.dtype, self.max_model_len,
                                               config.cuda, config.batch_invariant))  # fmt: skip
+        num_state_slots = self._allocate_sequence_state()
         kv_blocks = self._allocate_kv_cache()
         decode_graphs = self._decode_graphs_apply()
         # The one place the scratch block is decided: the decode graphs' padding rows write
         # and read the cache's last block, which the block manager never hands out.
-        self.blocks = BlockManager(kv_blocks, self.block_size, num_reserved=int(decode_graphs))
+        self.blocks = BlockManager(kv_blocks, self.block_size, int(decode_graphs), num_state_slots)
         if decode_graphs:  # decode steps replay CUDA graphs (engine/cuda_graph_runner.py)
             from engine.cuda_graph_runner import CudaGraphRunner
 
@@ -118,37 +134,61 @@ class ModelRunner:
         model.load_weights(source.iter_weights())
         return model.eval()
 
+    def _allocate_sequence_state(self) -> int:
+        """The model's fixed per-sequence state (CausalLM.state_specs), one slot for each
+        sequence that can run at once; returns the slot count (0: the model has none)."""
+        specs = self.model.state_specs()
+        slots = self.config.max_num_seqs if specs else 0
+        self.sequence_state = [
+            torch.zeros(slots, *s.shape, dtype=s.dtype or self.dtype, device=self.device)
+            for s in specs
+        ]
+        self.model.bind_state(self.sequence_state)
+        self.state_bytes = slots * sum(s.bytes_per_sequence(self.dtype) for s in specs)
+        if specs:
+            log.info(
+                "sequence state: %d slots of %.1f MiB",
+                slots,
+                self.state_bytes / max(slots, 1) / 2**20,
+            )
+        return slots
+
     def _allocate_kv_cache(self) -> int:
         specs = self.model.cache_specs()
-        per_token = sum(s.bytes_per_token(self.dtype) for s in specs)
+        per_block = sum(s.bytes_per_block(self.block_size, self.dtype) for s in specs)
+        per_token = per_block / self.block_size
         budget = self.config.kv_cache_memory
-        if budget is None:
-            if self.device.type == "cuda":  # sized after a warm-up forward
-                from engine.backends.cuda.memory import kv_cache_budget
+        if budget is not None:  # the user's figure covers the sequences' fixed state too
+            paged = budget - self.state_bytes
+        elif self.device.type == "cuda":  # sized after a warm-up forward
+            from engine.backends.cuda.memory import kv_cache_budget
 
-                budget = kv_cache_budget(
-                    self.model,
-                    self.dtype,
-                    self.device,
-                    self.block_size,
-                    min(self.config.max_num_batched_tokens, self.max_model_len - 1),
-                    int(self.source.config.get("vocab_size", 2)),
-                    self.config.max_num_seqs,
-                )
-            else:
-                budget = min(2 << 30, int(psutil.virtual_memory().available * 0.25))
-                # Never more than max_num_seqs sequences of max_model_len tokens can hold:
-                # a small model gets the megabytes it can use, not 2 GiB of zeros to write
-                # (and to keep resident) on every start.
-                tokens = self.max_model_len + 1 + self.config.speculative_tokens
-                blocks_per_seq = -(-tokens // self.block_size)
-                usable = self.config.max_num_seqs * blocks_per_seq * self.block_size * per_token
-                budget = min(budget, usable)
-        num_blocks = budget // (per_token * self.block_size)
+            # measured with the sequence state already allocated: what is left is paged
+            paged = budget = kv_cache_budget(
+                self.model,
+                self.dtype,
+                self.device,
+                self.block_size,
+                min(self.config.max_num_batched_tokens, self.max_model_len - 1),
+                int(self.source.config.get("vocab_size", 2)),
+                self.config.max_num_seqs,
+            )
+            for state in self.sequence_state:
+                state.zero_()  # the warm-up wrote into slot 0
+        else:
+            budget = min(2 << 30, int(psutil.virtual_memory().available * 0.25))
+            # Never more than max_num_seqs sequences of max_model_len tokens can hold:
+            # a small model gets the megabytes it can use, not 2 GiB of zeros to write
+            # (and to keep resident) on every start.
+            tokens = self.max_model_len + 1 + self.config.speculative_tokens
+            blocks_per_seq = -(-tokens // self.block_size)
+            paged = min(budget, self.config.max_num_seqs * blocks_per_seq * per_block)
+        num_blocks = int(paged // per_block)
         if num_blocks < 2:
             raise ValueError(
                 f"kv_cache_memory of {budget} bytes holds fewer than 2 blocks of "
-                f"{self.block_size} tokens ({per_token} bytes per token); give it more memory"
+                f"{self.block_size} tokens ({per_token:.0f} bytes per token) besides "
+                f"{self.state_bytes} bytes of per-sequence state; give it more memory"
             )
         # Zeros, not torch.empty: attention gathers whole blocks and padded block-table
         # entries, and a masked key's probability is 0 but 0 * NaN (stale memory) is NaN,
@@ -156,8 +196,7 @@ class ModelRunner:
         self.kv_caches = [
             torch.zeros(
                 num_blocks,
-                self.block_size,
-                *s.shape,
+                *s.block_shape(self.block_size),
                 dtype=s.dtype or self.dtype,
                 device=self.device,
             )
@@ -168,7 +207,7 @@ class ModelRunner:
             "KV cache: %d blocks of %d tokens (%.1f MiB)",
             num_blocks,
             self.block_size,
-            num_blocks * self.block_size * per_token / 2**20,
+            num_blocks * per_block / 2**20,
         )
         return num_blocks
 
@@ -212,6 +251,9 @@ class ModelRunner:
             is_decode=all(n == 1 for n in qlens),
             batch_invariant=self.config.batch_invariant,
         )
+        if self.blocks.uses_state:
+            ctx.state_slots_host = [s.state_slot for s, _, _ in items]
+            ctx.state_slots = torch.tensor(ctx.state_slots_host, dtype=torch.int32, device=dev)
         input_ids = torch.tensor(ids, dtype=torch.long, device=dev)
         pos = torch.tensor(positions, dtype=torch.long, device=dev)
         return input_ids, pos, ctx

@@ -51,6 +51,9 @@ class Sequence:
         self.status = Status.WAITING
         self.num_computed = 0
         self.block_table: list[int] = []
+        # The slot of the model's fixed per-sequence state (CausalLM.state_specs) this
+        # sequence owns while it holds blocks; None for models without such state.
+        self.state_slot: int | None = None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.text = ""  # the output cut at its stop string (set only when one ends it)

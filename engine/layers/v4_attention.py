@@ -1,15 +1,31 @@
-"""DeepSeek-V4's attention for a sliding-window layer (compress ratio 0): its parameters
-under the hub's names, its arithmetic from engine/ops/v4_attention.py (legend there and in
-docs/shapes.md: T tokens, L keys, H heads, D hidden, P rope dims; `head_dim` spelled out).
+"""DeepSeek-V4's attention, one class for the three layer kinds its `compress_ratio` picks:
+0 a sliding window only; 4 (CSA) the window plus the lightning indexer's top entries of an
+overlapping compressor; any other ratio (HCA) the window plus every committed entry of a
+non-overlapping compressor. Its parameters carry the hub's names; the arithmetic is
+engine/ops/v4_attention.py (legend there and in docs/shapes.md: T tokens, L keys, H heads,
+D hidden, P rope dims; `head_dim` spelled out) and engine/ops/v4_compress.py, and the
+paged decode state's is the device's ops (engine/ops/v4_paged_attention.py).
 
 The hub names, under the layer's `layers.{i}.attn.` prefix: `wq_a`, `q_norm`, `wq_b`, `wkv`,
 `kv_norm`, `wo_a`, `wo_b`, `attn_sink`. transformers calls them `self_attn.q_a_proj`,
 `q_a_norm`, `q_b_proj`, `kv_proj`, `kv_norm`, `o_a_proj`, `o_b_proj`, `sinks`.
 
-The step is split where a paged window ring goes between: `query` and `key_value` project
-the step's tokens (`key_value` is what the ring stores: one roped [head_dim] entry a token),
-`attend` reads any set of keys with their positions, `output` de-rotates and projects.
-`forward` is a whole prompt attending over its own keys.
+A compressed layer adds `compressor.*` and, for CSA, `indexer.*` (engine/layers/
+v4_compress.py).
+
+The step is split where the decode state goes between: `query` and `key_value` project
+the step's tokens (`key_value` is what the window ring stores: one roped [head_dim] entry
+a token), `attend` reads any set of keys with their positions and visibility, `output`
+de-rotates and projects. `prompt_forward` is one whole prompt without a cache (the oracle
+the paged ops are tested against); `forward` is the engine's step over the decode state.
+
+Decode state (bound by the model; the ops read and write it):
+- `ring` [slots, ring_size, head_dim]: a sequence's last keys, position p at p % ring_size.
+- `entries` [num_blocks, block_size // m, head_dim]: committed compressed entries, paged
+  like the latent cache (entry w in the sequence's block w * m // block_size).
+- `pool_state` [slots, 2, R, W] float32: the pooling rows of the windows being compressed.
+- CSA only: `index_keys` [num_blocks, block_size // 4, index_head_dim] and
+  `index_pool_state` [slots, 2, 8, 2 * index_head_dim] for the indexer's compressor.
 """
 
 from __future__ import annotations
@@ -20,6 +36,9 @@ from torch import nn
 from engine.layers.linear import Linear
 from engine.layers.norm import RMSNorm
 from engine.layers.rotary import compute_inv_freq, rope_parameters
+from engine.layers.v4_compress import V4Compressor, V4Indexer
+from engine.ops.attention_context import AttentionContext
+from engine.ops.device_layer import DeviceLayer, DeviceSetup, build
 from engine.ops.v4_attention import (
     apply_rope,
     grouped_low_rank,
@@ -28,6 +47,8 @@ from engine.ops.v4_attention import (
     unit_rms,
     window_mask,
 )
+from engine.ops.v4_compress import state_rows
+from engine.ops.v4_paged_attention import TORCH_V4_ATTENTION, V4AttentionOps
 from engine.quant.base import QuantConfig
 
 
@@ -61,9 +82,13 @@ def v4_rope_parameters(config: dict, compressed: bool) -> dict:
     return params
 
 
-class V4SlidingAttention(nn.Module):
+CSA_RATIO = 4
+
+
+class V4Attention(nn.Module, DeviceLayer):
     """MQA with one `head_dim`-wide head shared as key and value, over a window of
-    `sliding_window` positions (the query's own included), with per-head sinks."""
+    `sliding_window` positions (the query's own included) and, with a `compress_ratio`,
+    compressed entries; per-head sinks."""
 
     def __init__(
         self,
@@ -80,6 +105,10 @@ class V4SlidingAttention(nn.Module):
         max_position_embeddings: int,
         quant_config: QuantConfig | None = None,
         prefix: str = "",
+        compress_ratio: int = 0,
+        index_n_heads: int = 0,
+        index_head_dim: int = 0,
+        index_topk: int = 0,
     ) -> None:
         super().__init__()
         H, head_dim = num_attention_heads, head_dim
@@ -90,9 +119,11 @@ class V4SlidingAttention(nn.Module):
         self.num_heads, self.head_dim = H, head_dim
         self.o_groups = o_groups
         self.sliding_window = sliding_window
+        self.compress_ratio = compress_ratio
         self.eps = rms_norm_eps
         self.scale = head_dim**-0.5
         self.prefix = prefix
+        dtype = torch.get_default_dtype()
 
         def linear(name: str, in_features: int, out_features: int) -> Linear:
             prefixed = f"{prefix}{name}"
@@ -114,7 +145,75 @@ class V4SlidingAttention(nn.Module):
         if attention_factor != 1.0:
             raise ValueError(f"V4's rope has no attention factor (got {attention_factor})")
         self.register_buffer("inv_freq", inv_freq, persistent=False)  # [P/2]
+        self.compressor = self.indexer = None
+        if compress_ratio:
+            self.compressor = V4Compressor(
+                hidden_size,
+                head_dim,
+                compress_ratio,
+                compress_ratio == CSA_RATIO,
+                inv_freq,
+                rms_norm_eps,
+                prefix + "compressor.",
+                dtype,
+            )
+        if compress_ratio == CSA_RATIO:
+            self.indexer = V4Indexer(
+                hidden_size,
+                q_lora_rank,
+                index_n_heads,
+                index_head_dim,
+                compress_ratio,
+                index_topk,
+                inv_freq,
+                rms_norm_eps,
+                prefix + "indexer.",
+                dtype,
+                quant_config,
+            )
+        # the decode state (module docstring), bound by the model
+        self.ring: torch.Tensor | None = None
+        self.entries: torch.Tensor | None = None
+        self.pool_state: torch.Tensor | None = None
+        self.index_keys: torch.Tensor | None = None
+        self.index_pool_state: torch.Tensor | None = None
+        self.ops: V4AttentionOps = TORCH_V4_ATTENTION
 
+    def prepare(self, setup: DeviceSetup) -> None:
+        self.ops = build("v4_attention", self, setup)
+
+    # -- the decode state's shapes ---------------------------------------------------------
+    def cache_shapes(self) -> list[tuple[tuple[int, ...], int]]:
+        """(entry shape, tokens per entry) of each paged cache: the compressed entries,
+        then the indexer's keys (CSA); none for a sliding-only layer."""
+        if not self.compress_ratio:
+            return []
+        shapes = [((self.head_dim,), self.compress_ratio)]
+        if self.indexer is not None:
+            shapes.append(((self.indexer.head_dim,), self.indexer.ratio))
+        return shapes
+
+    def state_shapes(self, ring_size: int) -> list[tuple[tuple[int, ...], bool]]:
+        """(shape, float32?) of each per-sequence state: the window ring (model dtype),
+        then the pooling states (float32) of the compressor and the indexer's."""
+        shapes = [((ring_size, self.head_dim), False)]
+        for comp in self._compressors():
+            rows = state_rows(comp.ratio, comp.overlap)
+            shapes.append(((2, rows, comp.width), True))
+        return shapes
+
+    def bind(self, caches: list[torch.Tensor], states: list[torch.Tensor]) -> None:
+        """Take this layer's caches and states, in cache_shapes / state_shapes order."""
+        self.entries, self.index_keys = (list(caches) + [None, None])[:2]
+        self.ring, self.pool_state, self.index_pool_state = (list(states) + [None, None])[:3]
+
+    def _compressors(self) -> list[V4Compressor]:
+        comps = [self.compressor] if self.compressor is not None else []
+        if self.indexer is not None:
+            comps.append(self.indexer.compressor)
+        return comps
+
+    # -- the arithmetic's pieces -------------------------------------------------------------
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """positions [T] -> (cos, sin) [T, P/2] float32."""
         return rope_cos_sin(positions, self.inv_freq)
@@ -122,8 +221,8 @@ class V4SlidingAttention(nn.Module):
     def query(
         self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """x [T, D] -> (q [T, H, head_dim] roped, qr [T, q_lora_rank]: the normalised low-rank q,
-        which a CSA layer's indexer reads too)."""
+        """x [T, D] -> (q [T, H, head_dim] roped, qr [T, q_lora_rank]: the normalised
+        low-rank q, which a CSA layer's indexer reads too)."""
         qr = self.q_norm(self.wq_a(x))
         q = self.wq_b(qr).view(x.shape[0], self.num_heads, self.head_dim)
         return apply_rope(unit_rms(q, self.eps), cos, sin), qr
@@ -132,17 +231,38 @@ class V4SlidingAttention(nn.Module):
         """x [T, D] -> kv [T, head_dim]: the roped entry a window ring stores per token."""
         return apply_rope(self.kv_norm(self.wkv(x)), cos, sin)
 
+    def entries_visible(
+        self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, keys, n: int
+    ) -> torch.Tensor:
+        """[T, n] bool: which of a sequence's first n compressed entries each query reads.
+        HCA: every committed one (w < (p + 1) // m); CSA: the indexer's selection over
+        `keys` [n, index_head_dim], the sequence's committed indexer keys."""
+        if self.indexer is None:
+            limit = (positions + 1) // self.compress_ratio
+            return torch.arange(n, device=x.device)[None, :] < limit[:, None]
+        picked = self.indexer.select(x, qr, positions, keys)  # [T, k], -1 past committed
+        visible = torch.zeros(x.shape[0], n + 1, dtype=torch.bool, device=x.device)
+        visible.scatter_(1, torch.where(picked < 0, n, picked), True)
+        return visible[:, :n]
+
     def attend(
         self,
         q: torch.Tensor,
         keys: torch.Tensor,
         q_pos: torch.Tensor,
         k_pos: torch.Tensor,
+        entries: torch.Tensor | None = None,
+        entries_visible: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """q [T, H, head_dim] at q_pos [T], keys [L, head_dim] at k_pos [L] -> o [T, H, head_dim]. Keys outside
-        a query's window (or after it) are masked, so any superset of the window gives the
+        """q [T, H, head_dim] at q_pos [T] over window keys [L, head_dim] at k_pos [L] and,
+        for a compressed layer, `entries` [n, head_dim] with their visibility [T, n] ->
+        o [T, H, head_dim]: one softmax over both with the sinks. Window keys outside a
+        query's window (or after it) are masked, so any superset of the window gives the
         same result."""
         visible = window_mask(q_pos, k_pos, self.sliding_window)
+        if entries is not None:
+            keys = torch.cat([keys, entries.to(keys.dtype)])
+            visible = torch.cat([visible, entries_visible], dim=1)
         return sink_attention(q, keys, visible, self.attn_sink, self.scale)
 
     def output(self, o: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -152,14 +272,28 @@ class V4SlidingAttention(nn.Module):
         wo_a = self.wo_a.format.dequantize(self.wo_a).to(o.dtype)
         return self.wo_b(grouped_low_rank(o, wo_a))
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
-        """One sequence's whole prompt: x [T, D] at positions [T] -> [T, D], each token
-        attending over the prompt's own keys in its window. The mask reads positions only,
-        so a flat batch of several sequences must call `attend` per sequence."""
+    # -- whole prompts and engine steps ----------------------------------------------------------
+    def prompt_forward(self, x: torch.Tensor, positions: torch.Tensor) -> torch.Tensor:
+        """One sequence's whole prompt from position 0, without a cache: x [T, D] at
+        positions [T] (0..T-1) -> [T, D]. The mask reads positions only, so a flat batch
+        of several sequences must call it per sequence."""
         cos, sin = self.cos_sin(positions)
-        q, _ = self.query(x, cos, sin)
+        q, qr = self.query(x, cos, sin)
         kv = self.key_value(x, cos, sin)
-        return self.output(self.attend(q, kv, positions, positions), cos, sin)
+        entries = visible = None
+        if self.compressor is not None:
+            entries = self.compressor.prefix_entries(x)
+            keys = self.indexer.compressor.prefix_entries(x) if self.indexer else None
+            visible = self.entries_visible(x, qr, positions, keys, entries.shape[0])
+        o = self.attend(q, kv, positions, positions, entries, visible)
+        return self.output(o, cos, sin)
+
+    def forward(
+        self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
+    ) -> torch.Tensor:
+        """The step's tokens x [T, D] (all sequences, flattened) at positions [T] -> [T, D],
+        reading and updating each sequence's decode state."""
+        return self.ops.forward(self, x, positions, ctx)
 
     def checkpoint_tensors(self) -> dict[str, nn.Parameter]:
         """Hub checkpoint name -> parameter ("layers.0.attn.wq_a.weight", ...)."""
@@ -168,5 +302,6 @@ class V4SlidingAttention(nn.Module):
     def extra_repr(self) -> str:
         return (
             f"{self.prefix or 'attn'} heads={self.num_heads}, head_dim={self.head_dim}, "
-            f"window={self.sliding_window}, groups={self.o_groups}"
+            f"window={self.sliding_window}, groups={self.o_groups}, "
+            f"compress_ratio={self.compress_ratio}"
         )

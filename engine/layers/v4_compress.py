@@ -18,9 +18,9 @@ no mscale), the same tensor for the compressor's entries and the indexer's queri
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
+from engine.layers.linear import Linear
 from engine.ops.v4_attention import apply_rope, rope_cos_sin
 from engine.ops.v4_compress import (
     compress_chunk,
@@ -29,14 +29,7 @@ from engine.ops.v4_compress import (
     indexer_topk,
     new_state,
 )
-
-
-class _Weight(nn.Module):
-    """A leaf holding `weight`, so the parameter's name ends in the hub's `.weight`."""
-
-    def __init__(self, shape: tuple[int, ...], dtype: torch.dtype) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(shape, dtype=dtype), requires_grad=False)
+from engine.quant.base import QuantConfig
 
 
 class V4Compressor(nn.Module):
@@ -58,10 +51,16 @@ class V4Compressor(nn.Module):
         self.ratio, self.overlap, self.head_dim, self.eps = ratio, overlap, head_dim, eps
         self.prefix = prefix
         self.width = 2 * head_dim if overlap else head_dim
-        self.wkv = _Weight((self.width, hidden_size), dtype)
-        self.wgate = _Weight((self.width, hidden_size), dtype)
-        self.ape = nn.Parameter(torch.empty(ratio, self.width), requires_grad=False)
-        self.norm = _Weight((head_dim,), torch.float32)
+        # engine Linears (row-invariant on every device) in the checkpoint's float dtype
+        self.wkv = Linear(hidden_size, self.width, prefix=prefix + "wkv", params_dtype=dtype)
+        self.wgate = Linear(hidden_size, self.width, prefix=prefix + "wgate", params_dtype=dtype)
+        self.ape = nn.Parameter(
+            torch.empty(ratio, self.width, dtype=torch.float32), requires_grad=False
+        )
+        self.norm = nn.Module()
+        self.norm.weight = nn.Parameter(
+            torch.empty(head_dim, dtype=torch.float32), requires_grad=False
+        )
         self.register_buffer("inv_freq", inv_freq.float().clone(), persistent=False)
 
     def checkpoint_tensors(self) -> dict[str, nn.Parameter]:
@@ -70,7 +69,7 @@ class V4Compressor(nn.Module):
 
     def project(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (kv, score) [T, W]."""
-        return F.linear(x, self.wkv.weight), F.linear(x, self.wgate.weight)
+        return self.wkv(x), self.wgate(x)
 
     def new_state(self) -> torch.Tensor:
         """One sequence's empty pooling state [2, R, W] float32."""
@@ -111,12 +110,16 @@ class V4Indexer(nn.Module):
         eps: float,
         prefix: str = "",
         dtype: torch.dtype = torch.float32,
+        quant_config: QuantConfig | None = None,
     ) -> None:
         super().__init__()
         self.heads, self.head_dim, self.ratio, self.topk = heads, head_dim, ratio, topk
         self.prefix = prefix
-        self.wq_b = _Weight((heads * head_dim, q_lora_rank), dtype)
-        self.weights_proj = _Weight((heads, hidden_size), dtype)
+        # wq_b is FP8 in the hub (the quant config picks its format by name)
+        self.wq_b = Linear(q_lora_rank, heads * head_dim, False, quant_config, prefix + "wq_b")
+        self.weights_proj = Linear(
+            hidden_size, heads, prefix=prefix + "weights_proj", params_dtype=dtype
+        )
         self.compressor = V4Compressor(
             hidden_size, head_dim, ratio, True, inv_freq, eps, prefix + "compressor.", dtype
         )
@@ -129,10 +132,10 @@ class V4Indexer(nn.Module):
         self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor
     ) -> torch.Tensor:
         """x [T, D], qr [T, q_lora_rank], positions [T], keys [n, d_i] -> scores [T, n]."""
-        q = F.linear(qr, self.wq_b.weight).view(-1, self.heads, self.head_dim)
+        q = self.wq_b(qr).view(-1, self.heads, self.head_dim)
         cos, sin = rope_cos_sin(positions, self.compressor.inv_freq)
         q = apply_rope(q, cos, sin)
-        return indexer_scores(q, keys, F.linear(x, self.weights_proj.weight))
+        return indexer_scores(q, keys, self.weights_proj(x))
 
     def select(
         self, x: torch.Tensor, qr: torch.Tensor, positions: torch.Tensor, keys: torch.Tensor

@@ -16,6 +16,8 @@ _FAMILIES: dict[str, str] = {
     "DeepseekV3ForCausalLM": "engine.models.deepseek_v3:DeepseekV3ForCausalLM",
     "deepseek_v2": "engine.models.deepseek_v3:DeepseekV3ForCausalLM",
     "DeepseekV2ForCausalLM": "engine.models.deepseek_v3:DeepseekV3ForCausalLM",
+    "deepseek_v4": "engine.models.deepseek_v4:DeepseekV4ForCausalLM",
+    "DeepseekV4ForCausalLM": "engine.models.deepseek_v4:DeepseekV4ForCausalLM",
 }
 
 

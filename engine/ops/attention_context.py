@@ -3,7 +3,8 @@
 Tokens of all sequences in a step are flattened: sequence b owns rows
 cu_query_lens[b]:cu_query_lens[b+1]. Its KV cache lives in the blocks listed in
 block_tables[b]; token t of the sequence is stored at slot
-block_tables[b][t // block_size] * block_size + t % block_size.
+block_tables[b][t // block_size] * block_size + t % block_size. A model with fixed
+per-sequence state (CausalLM.state_specs) finds sequence b's in slot state_slots[b].
 """
 
 from __future__ import annotations
@@ -26,6 +27,8 @@ class AttentionContext:
     # Attention whose result for a query does not depend on the step's other queries, its
     # chunking or padding (docs/batch-invariance.md); False takes faster fused forms.
     batch_invariant: bool = True
+    state_slots: torch.Tensor | None = None  # [B] int32: each sequence's state slot
+    state_slots_host: list[int] | None = None
     # Derived tensors every layer needs alike, computed on first use and shared by all
     # layers of the step (a decoder has tens of layers; recomputing them per layer costs
     # more than the attention itself at small batch).

@@ -23,9 +23,9 @@ from __future__ import annotations
 from abc import ABC, abstractmethod
 
 import torch
-import torch.nn.functional as F
 
 from engine.ops.device_layer import DeviceSetup, register
+from kernels.cpu import batch_invariant
 
 
 class HyperConnectionOps(ABC):
@@ -76,7 +76,7 @@ def _mixes(fn: torch.Tensor, streams: torch.Tensor, norm_eps: float) -> torch.Te
     """streams [T, C, D] -> rmsnorm(flattened streams) @ fn^T  [T, rows of fn] float32."""
     flat = streams.flatten(-2).float()  # [T, C*D]
     flat = flat * torch.rsqrt(flat.square().mean(-1, keepdim=True) + norm_eps)
-    return F.linear(flat, fn.float())
+    return batch_invariant.linear(flat, fn.float())
 
 
 def _collapse(pre: torch.Tensor, streams: torch.Tensor) -> torch.Tensor:
@@ -92,8 +92,8 @@ class TorchHyperConnectionOps(HyperConnectionOps):
         pre_w, post_w, comb_w = mix.split([C, C, C * C], dim=-1)
         pre_b, post_b, comb_b = hc.base.float().split([C, C, C * C])
         pre_s, post_s, comb_s = hc.scale.float().unbind(0)
-        pre = torch.sigmoid(pre_w * pre_s + pre_b) + hc.hc_eps  # [T, C]
-        post = 2 * torch.sigmoid(post_w * post_s + post_b)  # [T, C]
+        pre = batch_invariant.lanes(torch.sigmoid, pre_w * pre_s + pre_b) + hc.hc_eps  # [T, C]
+        post = 2 * batch_invariant.lanes(torch.sigmoid, post_w * post_s + post_b)  # [T, C]
         logits = comb_w.unflatten(-1, (C, C)) * comb_s + comb_b.view(C, C)  # [T, C, C]
         comb = sinkhorn(logits, hc.hc_sinkhorn_iters, hc.hc_eps)
         return _collapse(pre, streams), post, comb
@@ -102,14 +102,15 @@ class TorchHyperConnectionOps(HyperConnectionOps):
         # In the streams' dtype with the coefficients cast to it, as transformers mixes;
         # comb is read transposed: out_k sums comb[j, k] over the input streams j.
         dtype = streams.dtype
-        mixed = torch.matmul(comb.to(dtype).transpose(-1, -2), streams)  # [T, C, D]
+        mixed = batch_invariant.batched_matmul(comb.to(dtype).transpose(-1, -2), streams)
         return post.to(dtype).unsqueeze(-1) * y.to(dtype).unsqueeze(-2) + mixed
 
 
 class TorchHyperHeadOps(HyperHeadOps):
     def forward(self, head, streams):
         mix = _mixes(head.fn, streams, head.norm_eps)  # [T, C]
-        pre = torch.sigmoid(mix * head.scale.float() + head.base.float()) + head.hc_eps
+        logits = mix * head.scale.float() + head.base.float()
+        pre = batch_invariant.lanes(torch.sigmoid, logits) + head.hc_eps
         return _collapse(pre, streams)
 
 

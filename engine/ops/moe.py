@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.ops.device_layer import DeviceSetup, register
+from kernels.cpu import batch_invariant
 
 
 class MoeOps(ABC):
@@ -35,7 +36,7 @@ def swiglu(gate: torch.Tensor, up: torch.Tensor, limit: float | None = None) -> 
     if limit is not None:
         gate = gate.clamp(max=limit)
         up = up.clamp(min=-limit, max=limit)
-    return F.silu(gate) * up
+    return batch_invariant.lanes(F.silu, gate) * up
 
 
 def routed_experts_forward(

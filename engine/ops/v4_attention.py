@@ -26,12 +26,14 @@ from __future__ import annotations
 
 import torch
 
+from kernels.cpu import batch_invariant
+
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
     """positions [T] -> (cos, sin) [T, P/2] float32, one angle per interleaved pair. V4's
     compressed layers use YaRN frequencies without its attention factor, so there is none."""
     freqs = positions.float()[:, None] * inv_freq.float()[None, :]
-    return freqs.cos(), freqs.sin()
+    return batch_invariant.lanes(torch.cos, freqs), batch_invariant.lanes(torch.sin, freqs)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
@@ -87,5 +89,5 @@ def grouped_low_rank(o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:
     T = o.shape[0]
     x = o.reshape(T, -1, wo_a.shape[1]).transpose(0, 1)  # [o_groups, T, H*head_dim/o_groups]
     w = wo_a.view(x.shape[0], -1, wo_a.shape[1])  # [o_groups, o_lora_rank, same]
-    y = torch.bmm(x, w.transpose(1, 2))  # [o_groups, T, o_lora_rank]
+    y = batch_invariant.batched_matmul(x, w.transpose(1, 2))  # [o_groups, T, o_lora_rank]
     return y.transpose(0, 1).reshape(T, -1)  # [T, o_groups * o_lora_rank]

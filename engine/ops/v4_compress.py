@@ -33,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from engine.ops.v4_attention import apply_rope, rope_cos_sin
+from kernels.cpu import batch_invariant
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -165,7 +166,8 @@ def indexer_scores(q: torch.Tensor, keys: torch.Tensor, weights: torch.Tensor) -
     (weights_proj(x)) -> scores [T, n] float32:
     sum_h weights_h * Hi^-0.5 * ReLU(q_h . k) * d^-0.5."""
     heads, dim = q.shape[1], q.shape[2]
-    dots = torch.einsum("thd,nd->thn", q.float(), keys.float())
+    flat = q.float().reshape(-1, dim)  # [T * Hi, d]: each row's dots as if alone
+    dots = batch_invariant.linear(flat, keys.float()).view(q.shape[0], heads, -1)
     dots = F.relu(dots) * dim**-0.5
     w = weights.float() * heads**-0.5
     return (dots * w[..., None]).sum(dim=1)

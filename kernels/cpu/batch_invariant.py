@@ -41,6 +41,21 @@ from kernels.cpu.fixed_order_linear import fixed_order_linear
 INVARIANT_MIN_ROWS = 12
 ROW_MULTIPLE = 4
 KEY_BLOCK = 64
+# float32 elements per step of ATen's vectorised elementwise loop: two AVX-512 vectors
+LANES = 32
+
+
+def lanes(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for an elementwise fn (sigmoid, exp, cos, ...) with x's last dim padded to a
+    multiple of LANES, so every element takes the vectorised path. ATen's loop steps two
+    vectors at a time and computes the tail of a tensor whose size is not a multiple of
+    that step with scalar code whose transcendentals round differently: sigmoid of a
+    [T, 4] slice then gives a row other bits at T = 1 than at T = 27."""
+    width = x.shape[-1]
+    padded = -(-width // LANES) * LANES
+    if x.device.type != "cpu" or padded == width:
+        return fn(x)
+    return fn(_pad_dim(x, x.dim() - 1, padded))[..., :width]
 
 
 def invariant_rows(m: int) -> int:
@@ -94,22 +109,32 @@ def batched_matmul(a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
 
 
 def attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, visible: torch.Tensor, scale: float
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    visible: torch.Tensor,
+    scale: float,
+    sink: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """Softmax attention, float32, invariant to how many rows, problems and padded keys a
     call holds. q [S, M, D], k [S, L, D], v [S, L, E], visible [S, M, L] bool (every row
-    must see at least one key) -> out [S, M, E] float32.
+    must see at least one key, or have a sink) -> out [S, M, E] float32. `sink` [S, M]:
+    a logit per row in the softmax's denominator with no value (DeepSeek-V4's attention
+    sinks), so the row's probabilities sum to less than 1.
 
     Scores are exact per (row, key) whatever L is; the row's maximum is exact; then the
     probabilities' sum and their weighted sum of values are accumulated block by block of
     KEY_BLOCK keys, in key order, each block of fixed length (keys past L are zero and
-    masked, so they add exact zeros)."""
+    masked, so they add exact zeros); the sink's share is added last."""
     if q.device.type != "cpu":
         # GPU kernels are not batch-invariant (docs/batch-invariance.md): the plain form,
         # without the block loop's launches
         scores = torch.bmm(q.float(), k.float().transpose(1, 2)) * scale
-        probs = scores.masked_fill(~visible, float("-inf")).softmax(dim=-1)
-        return torch.bmm(probs, v.float())
+        scores = scores.masked_fill(~visible, float("-inf"))
+        if sink is None:
+            return torch.bmm(scores.softmax(dim=-1), v.float())
+        logits = torch.cat([scores, sink.float()[..., None]], dim=-1)
+        return torch.bmm(logits.softmax(dim=-1)[..., :-1], v.float())
     S, M, _ = q.shape
     L, E = k.shape[1], v.shape[2]
     Lp = padded_keys(L)
@@ -123,6 +148,8 @@ def attention(
     scores = torch.bmm(qp, k.transpose(1, 2))[:, :M] * scale  # [S, M, Lp]
     scores = scores.masked_fill(~visible, float("-inf"))
     peak = scores.amax(dim=-1, keepdim=True)  # [S, M, 1]
+    if sink is not None:
+        peak = torch.maximum(peak, sink.float()[..., None])
     p = torch.exp(scores - peak)  # masked keys: exp(-inf) = 0
     # One bmm over all (problem, block) pairs: every pair is a [Mp, KEY_BLOCK] x
     # [KEY_BLOCK, E] product of the same shape.
@@ -137,4 +164,6 @@ def attention(
     for j in range(1, blocks):  # key order, whatever the padding
         acc += partial[:, j]
         den += sums[..., j]
+    if sink is not None:
+        den += torch.exp(sink.float() - peak[..., 0])
     return acc / den[..., None]

@@ -28,18 +28,21 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from kernels.cpu import batch_invariant
+
 GROUP_SCORES = ("top2", "max")
 
 
 def routing_scores(logits: torch.Tensor, scoring: str) -> torch.Tensor:
     """logits [T, E] -> float32 scores [T, E]."""
     x = logits.float()
+    # lanes: the same bits for a row whatever the row count (kernels/cpu/batch_invariant)
     if scoring == "sigmoid":
-        return x.sigmoid()
+        return batch_invariant.lanes(torch.sigmoid, x)
     if scoring == "softmax":
         return x.softmax(dim=-1)
     if scoring == "sqrtsoftplus":
-        return F.softplus(x).sqrt()
+        return batch_invariant.lanes(lambda v: F.softplus(v).sqrt(), x)
     raise ValueError(f"unknown scoring {scoring!r} (sigmoid, softmax, sqrtsoftplus)")
 
 

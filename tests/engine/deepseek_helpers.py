@@ -97,25 +97,41 @@ def relative_error(a: torch.Tensor, b: torch.Tensor) -> float:
 
 
 class PagedRunner:
-    """Allocates one cache per CacheSpec ([num_blocks, block_size, *shape]) and runs steps
+    """Allocates one cache per CacheSpec ([num_blocks, *spec.block_shape(block_size)]) and
+    the model's per-sequence state (one slot per sequence), and runs steps
     of (seq_id, new_tokens) pairs, giving each sequence blocks in a scrambled order so the
     block tables are not contiguous."""
 
     def __init__(
-        self, model, block_size: int = 4, num_blocks: int = 64, seed: int = 0, lookahead: int = 0
+        self,
+        model,
+        block_size: int = 4,
+        num_blocks: int = 64,
+        seed: int = 0,
+        lookahead: int = 0,
+        num_state_slots: int = 8,
     ):
         """`lookahead`: blocks are reserved that far past each step's tokens (MTP drafts)."""
         self.model, self.block_size, self.lookahead = model, block_size, lookahead
         dtype = next(model.parameters()).dtype
+        # fixed per-sequence state (V4's window ring and pooling rows), in scrambled slots
+        state_specs = model.state_specs()
+        self.states = [
+            torch.zeros(num_state_slots, *s.shape, dtype=s.dtype or dtype) for s in state_specs
+        ]
+        model.bind_state(self.states)
         self.caches = [
-            torch.zeros(num_blocks, block_size, *s.shape, dtype=s.dtype or dtype)
+            torch.zeros(num_blocks, *s.block_shape(block_size), dtype=s.dtype or dtype)
             for s in model.cache_specs()
         ]
         model.bind_kv_cache(self.caches)
         gen = torch.Generator().manual_seed(seed)
         self.free = torch.randperm(num_blocks, generator=gen).tolist()
+        self.free_slots = torch.randperm(num_state_slots, generator=gen).tolist()
+        self.uses_state = bool(state_specs)
         self.blocks: dict[int, list[int]] = {}
         self.lengths: dict[int, int] = {}
+        self.slots: dict[int, int] = {}
 
     def context(self, items: list[tuple[int, int]]) -> tuple[AttentionContext, torch.Tensor]:
         """Reserve room for (seq_id, num_new) and build the step's context and positions."""
@@ -146,6 +162,12 @@ class PagedRunner:
             context_lens_host=c_lens,
             is_decode=all(n == 1 for n in q_lens),
         )
+        if self.uses_state:
+            for seq, _ in items:
+                if seq not in self.slots:
+                    self.slots[seq] = self.free_slots.pop()
+            ctx.state_slots_host = [self.slots[s] for s, _ in items]
+            ctx.state_slots = torch.tensor(ctx.state_slots_host, dtype=torch.int32)
         return ctx, torch.tensor(positions, dtype=torch.int64)
 
     def context_at(self, items: list[tuple[int, int, int]]) -> AttentionContext:

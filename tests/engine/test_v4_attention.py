@@ -9,7 +9,7 @@ import copy
 import pytest
 import torch
 
-from engine.layers.v4_attention import V4SlidingAttention, v4_rope_parameters
+from engine.layers.v4_attention import V4Attention, v4_rope_parameters
 from engine.ops.v4_attention import apply_rope, rope_cos_sin
 
 hf_v4 = pytest.importorskip("transformers.models.deepseek_v4.modeling_deepseek_v4")
@@ -62,7 +62,7 @@ def _pair(cfg: DeepseekV4Config, seed: int):
                 p.copy_(1 + 0.5 * torch.randn(p.shape, generator=gen))
             else:
                 p.copy_(torch.randn(p.shape, generator=gen) * p.shape[-1] ** -0.5)
-    ours = V4SlidingAttention(
+    ours = V4Attention(
         hidden_size=cfg.hidden_size,
         num_attention_heads=cfg.num_attention_heads,
         head_dim=cfg.head_dim,
@@ -118,7 +118,7 @@ def test_prompt_matches_transformers(window, T, rope_dim, groups):
     x = torch.randn(1, T, cfg.hidden_size, generator=gen)
     with torch.no_grad():
         ref = _reference(theirs, cfg, x)
-        out = ours(x[0], torch.arange(T))
+        out = ours.prompt_forward(x[0], torch.arange(T))
     err = _close(out, ref)
     print(f"window {window} T {T}: {err:.1e}")
 
@@ -181,7 +181,7 @@ def test_mutations_fail(mutation, monkeypatch):
         monkeypatch.setattr(layer_mod, "apply_rope", half_split)
     with torch.no_grad():
         ref = _reference(theirs, cfg, x)
-        out = ours(x[0], torch.arange(40))
+        out = ours.prompt_forward(x[0], torch.arange(40))
     err = ((out - ref).abs().max() / ref.abs().max()).item()
     assert err > 1e-3, f"{mutation} still matches ({err:.2e})"
 
@@ -218,7 +218,7 @@ def test_rope_frequencies_match_transformers():
     for compressed, kind in ((False, "main"), (True, "compress")):
         cos_ref, sin_ref = rotary(x, positions[None], layer_type=kind)
         for source in (cfg.to_dict(), hub):
-            layer = V4SlidingAttention(
+            layer = V4Attention(
                 hidden_size=64,
                 num_attention_heads=4,
                 head_dim=512,

@@ -29,10 +29,11 @@ def kv_cache_budget(
     """Bytes for the KV cache, measured after a warm-up forward: a prefill of
     `warmup_tokens` tokens (the most one step computes) over a temporary cache. What the
     warm-up peaked at, the graphs' headroom and the logits of the largest decode batch
-    are kept free; the KV cache gets a share of the rest."""
+    are kept free; the KV cache gets a share of the rest. A model with per-sequence state
+    must have it bound already: the warm-up sequence uses state slot 0."""
     blocks = -(-warmup_tokens // block_size) + 1
     temp = [
-        torch.empty(blocks, block_size, *s.shape, dtype=s.dtype or dtype, device=device)
+        torch.empty(blocks, *s.block_shape(block_size), dtype=s.dtype or dtype, device=device)
         for s in model.cache_specs()
     ]
     model.bind_kv_cache(temp)
@@ -51,6 +52,8 @@ def kv_cache_budget(
         query_lens_host=[warmup_tokens],
         context_lens_host=[warmup_tokens],
         is_decode=False,
+        state_slots=torch.zeros(1, dtype=torch.int32, device=device),
+        state_slots_host=[0],
     )
     with torch.inference_mode():
         hidden = model(ids, positions, ctx)
