@@ -67,9 +67,7 @@ def randomize_v4_(model: torch.nn.Module, seed: int) -> None:
         randn = torch.randn(p.shape, generator=gen)
         if name.endswith("sinks"):
             p.copy_(randn)
-        elif name.endswith("position_bias"):
-            p.copy_(randn * 0.5)
-        elif name.endswith("hc_base"):
+        elif name.endswith(("position_bias", "hc_base")):
             p.copy_(randn * 0.5)
         elif name.endswith("hc_scale"):
             p.copy_(0.5 + torch.rand(p.shape, generator=gen))
