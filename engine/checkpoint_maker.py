@@ -1,5 +1,6 @@
 """Random-weight DeepSeek-V3-family checkpoints in the official layout, for tests and
-benchmarks (`batchgen models make-random`). Nobody downloads weights.
+benchmarks (`batchgen models make-random`). Nobody downloads weights. DeepSeek-V4
+(`arch` deepseek_v4) has its own presets and layout: `engine/deepseek_v4_checkpoint.py`.
 
 Writes config.json, sharded safetensors with model.safetensors.index.json (per-expert
 tensor names, the MTP layer at model.layers.{num_hidden_layers}), generation_config.json
@@ -18,12 +19,24 @@ from __future__ import annotations
 
 import json
 import math
-import zlib
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
+from engine.checkpoint_files import (
+    BOS_ID,
+    DEFAULT_SHARD_BYTES,
+    EOS_ID,
+    ShardWriter,
+    draw,
+    prepare_output_dir,
+    resolve_device,
+    write_generation_config,
+    write_tokenizer,
+)
+from engine.deepseek_v4_checkpoint import PRESETS as V4_PRESETS
+from engine.deepseek_v4_checkpoint import make_random_v4_checkpoint
 from kernels.formats.fp8 import quantize_fp8_block
 from kernels.formats.mxfp4 import quantize_mxfp4
 
@@ -126,8 +139,8 @@ PRESETS: dict[str, dict] = {
 }
 DENSE_DTYPES = ("bf16", "fp8")
 EXPERT_DTYPES = ("bf16", "fp8", "mxfp4")
-BOS, EOS = "<｜begin▁of▁sentence｜>", "<｜end▁of▁sentence｜>"
-DEFAULT_SHARD_BYTES = 4 << 30
+V3_ARCHS = ("deepseek_v3", "DeepseekV3ForCausalLM")
+V4_ARCHS = ("deepseek_v4", "DeepseekV4ForCausalLM")
 
 
 def make_random_checkpoint(
@@ -143,9 +156,33 @@ def make_random_checkpoint(
     mtp: bool = True,
     shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> Path:
-    """Write the checkpoint into `out` (created; must be empty if it exists) and return it."""
-    if arch not in ("deepseek_v3", "DeepseekV3ForCausalLM"):
-        raise ValueError(f"make-random supports arch 'deepseek_v3', got {arch!r}")
+    """Write the checkpoint into `out` (created; must be empty if it exists) and return it.
+
+    `arch` deepseek_v4 / DeepseekV4ForCausalLM is written by `engine.deepseek_v4_checkpoint`
+    with its own presets."""
+    if arch in V4_ARCHS:
+        if preset in PRESETS and preset not in V4_PRESETS:
+            raise ValueError(
+                f"preset {preset!r} is a deepseek_v3 preset; deepseek_v4 takes {sorted(V4_PRESETS)}"
+            )
+        return make_random_v4_checkpoint(
+            out,
+            preset=preset,
+            layers=layers,
+            dense_dtype=dense_dtype,
+            expert_dtype=expert_dtype,
+            seed=seed,
+            device=device,
+            mtp=mtp,
+            shard_bytes=shard_bytes,
+        )
+    if arch not in V3_ARCHS:
+        raise ValueError(f"make-random supports arch 'deepseek_v3' and 'deepseek_v4', got {arch!r}")
+    if preset not in PRESETS and preset in V4_PRESETS:
+        raise ValueError(
+            f"preset {preset!r} is a deepseek_v4 preset (pass --arch deepseek_v4); "
+            f"deepseek_v3 takes {sorted(PRESETS)}"
+        )
     if preset not in PRESETS:
         raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
     if dense_dtype not in DENSE_DTYPES:
@@ -154,21 +191,13 @@ def make_random_checkpoint(
         raise ValueError(f"expert dtype {expert_dtype!r}: choose one of {EXPERT_DTYPES}")
     if layers is not None and layers < 1:
         raise ValueError(f"--layers must be >= 1, got {layers}")
-    out = Path(out)
-    if out.exists() and any(out.iterdir()):
-        raise ValueError(f"output directory {out} is not empty")
-    out.mkdir(parents=True, exist_ok=True)
-    if device == "auto":
-        device = "cuda" if torch.cuda.is_available() else "cpu"
-
+    out = prepare_output_dir(out)
     config = build_config(preset, layers, dense_dtype, expert_dtype, mtp)
     (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    (out / "generation_config.json").write_text(
-        json.dumps({"bos_token_id": 256, "eos_token_id": 257, "do_sample": False}, indent=2)
-    )
+    write_generation_config(out)
     write_tokenizer(out, config["max_position_embeddings"])
-    writer = _ShardWriter(out, shard_bytes)
-    for name, tensor in _tensors(config, dense_dtype, expert_dtype, seed, torch.device(device)):
+    writer = ShardWriter(out, shard_bytes)
+    for name, tensor in _tensors(config, dense_dtype, expert_dtype, seed, resolve_device(device)):
         writer.add(name, tensor)
     writer.close()
     return out
@@ -194,8 +223,8 @@ def build_config(
         "attention_bias": False,
         "tie_word_embeddings": False,
         "num_nextn_predict_layers": 1 if mtp else 0,
-        "bos_token_id": 256,
-        "eos_token_id": 257,
+        "bos_token_id": BOS_ID,
+        "eos_token_id": EOS_ID,
         "torch_dtype": "bfloat16",
         "batchgen_random_preset": preset,
     }
@@ -216,19 +245,8 @@ def build_config(
     return config
 
 
-def _generator(seed: int, name: str, device: torch.device) -> torch.Generator:
-    gen = torch.Generator(device=device)
-    gen.manual_seed((seed * 1_000_003 + zlib.crc32(name.encode())) % (2**63))
-    return gen
-
-
-def _draw(name: str, shape: tuple[int, ...], std: float, mean: float, seed, device):
-    gen = _generator(seed, name, device)
-    return torch.randn(shape, generator=gen, device=device) * std + mean
-
-
 def _linear(name, out_f, in_f, fmt, seed, device) -> Iterator[tuple[str, torch.Tensor]]:
-    w = _draw(f"{name}.weight", (out_f, in_f), 1 / math.sqrt(in_f), 0.0, seed, device)
+    w = draw(f"{name}.weight", (out_f, in_f), 1 / math.sqrt(in_f), 0.0, seed, device)
     if fmt == "fp8":
         codes, scale_inv = quantize_fp8_block(w, "float32")
         yield f"{name}.weight", codes
@@ -242,7 +260,7 @@ def _linear(name, out_f, in_f, fmt, seed, device) -> Iterator[tuple[str, torch.T
 
 
 def _norm(name, dim, seed, device):
-    yield f"{name}.weight", _draw(f"{name}.weight", (dim,), 0.1, 1.0, seed, device).bfloat16()
+    yield f"{name}.weight", draw(f"{name}.weight", (dim,), 0.1, 1.0, seed, device).bfloat16()
 
 
 def _layer(config, index, dense, experts, seed, device) -> Iterator[tuple[str, torch.Tensor]]:
@@ -271,10 +289,10 @@ def _layer(config, index, dense, experts, seed, device) -> Iterator[tuple[str, t
         yield from _linear(f"{m}.down_proj", D, inter, dense, seed, device)
         return
     E, inter = config["n_routed_experts"], config["moe_intermediate_size"]
-    router = _draw(f"{m}.gate.weight", (E, D), 1 / math.sqrt(D), 0.0, seed, device)
+    router = draw(f"{m}.gate.weight", (E, D), 1 / math.sqrt(D), 0.0, seed, device)
     yield f"{m}.gate.weight", router.bfloat16()
     bias_name = f"{m}.gate.e_score_correction_bias"
-    yield bias_name, _draw(bias_name, (E,), 0.1, 0.0, seed, device)
+    yield bias_name, draw(bias_name, (E,), 0.1, 0.0, seed, device)
     for e in range(E):
         x = f"{m}.experts.{e}"
         yield from _linear(f"{x}.gate_proj", inter, D, experts, seed, device)
@@ -290,7 +308,7 @@ def _layer(config, index, dense, experts, seed, device) -> Iterator[tuple[str, t
 
 def _tensors(config, dense_dtype, expert_dtype, seed, device):
     D, V, L = config["hidden_size"], config["vocab_size"], config["num_hidden_layers"]
-    embed = _draw("model.embed_tokens.weight", (V, D), 1.0, 0.0, seed, device).bfloat16()
+    embed = draw("model.embed_tokens.weight", (V, D), 1.0, 0.0, seed, device).bfloat16()
     yield "model.embed_tokens.weight", embed
     for i in range(L):
         yield from _layer(config, i, dense_dtype, expert_dtype, seed, device)
@@ -304,103 +322,5 @@ def _tensors(config, dense_dtype, expert_dtype, seed, device):
         yield from _linear(f"{p}.eh_proj", D, 2 * D, "bf16", seed, device)
         yield from _layer(config, L + j, dense_dtype, expert_dtype, seed, device)
         yield from _norm(f"{p}.shared_head.norm", D, seed, device)
-        head = _draw("lm_head.weight", (V, D), 1 / math.sqrt(D), 0.0, seed, device)
+        head = draw("lm_head.weight", (V, D), 1 / math.sqrt(D), 0.0, seed, device)
         yield f"{p}.shared_head.head.weight", head.bfloat16()
-
-
-class _ShardWriter:
-    """Collects tensors on the host until a shard is full, writes it, and at the end
-    renames the shards model-0000i-of-0000N.safetensors and writes the index."""
-
-    def __init__(self, out: Path, shard_bytes: int) -> None:
-        self.out, self.shard_bytes = out, shard_bytes
-        self.pending: dict[str, torch.Tensor] = {}
-        self.pending_bytes = 0
-        self.files: list[Path] = []
-        self.weight_map: dict[str, int] = {}
-        self.total = 0
-
-    def add(self, name: str, tensor: torch.Tensor) -> None:
-        nbytes = tensor.numel() * tensor.element_size()
-        if self.pending and self.pending_bytes + nbytes > self.shard_bytes:
-            self._flush()
-        self.pending[name] = tensor.detach().to("cpu").contiguous()
-        self.pending_bytes += nbytes
-        self.weight_map[name] = len(self.files)
-        self.total += nbytes
-
-    def _flush(self) -> None:
-        from safetensors.torch import save_file
-
-        path = self.out / f"shard-{len(self.files):05d}.tmp"
-        save_file(self.pending, str(path), metadata={"format": "pt"})
-        self.files.append(path)
-        self.pending, self.pending_bytes = {}, 0
-
-    def close(self) -> None:
-        if self.pending:
-            self._flush()
-        n = len(self.files)
-        names = [f"model-{i + 1:05d}-of-{n:05d}.safetensors" for i in range(n)]
-        for path, final in zip(self.files, names, strict=True):
-            path.rename(self.out / final)
-        index = {
-            "metadata": {"total_size": self.total},
-            "weight_map": {k: names[i] for k, i in self.weight_map.items()},
-        }
-        (self.out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2) + "\n")
-
-
-def write_tokenizer(out: Path, max_length: int) -> None:
-    """A byte-level BPE over the 256 byte symbols (ids 0..255) plus BOS 256 and EOS 257:
-    it encodes any text and fits every preset's vocabulary."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
-
-    alphabet = pre_tokenizers.ByteLevel.alphabet()
-    byte_to_symbol = _byte_symbols()
-    if sorted(alphabet) != sorted(byte_to_symbol):
-        raise RuntimeError("unexpected byte-level alphabet in the tokenizers library")
-    vocab = {sym: i for i, sym in enumerate(byte_to_symbol)}
-    vocab[BOS], vocab[EOS] = 256, 257
-    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens([BOS, EOS])
-    tok.post_processor = processors.TemplateProcessing(
-        single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=[(BOS, 256)]
-    )
-    tok.save(str(out / "tokenizer.json"))
-    template = (
-        "{{ bos_token }}{% for m in messages %}"
-        "{% if m['role'] == 'user' %}<｜User｜>{{ m['content'] }}"
-        "{% elif m['role'] == 'assistant' %}<｜Assistant｜>{{ m['content'] }}{{ eos_token }}"
-        "{% else %}{{ m['content'] }}{% endif %}{% endfor %}"
-        "{% if add_generation_prompt %}<｜Assistant｜>{% endif %}"
-    )
-    config = {
-        "tokenizer_class": "PreTrainedTokenizerFast",
-        "bos_token": BOS,
-        "eos_token": EOS,
-        "pad_token": EOS,
-        "add_bos_token": True,
-        "model_max_length": max_length,
-        "chat_template": template,
-    }
-    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False))
-
-
-def _byte_symbols() -> list[str]:
-    """GPT-2's printable stand-in for each byte value, in byte order (id = byte value)."""
-    printable = (
-        list(range(ord("!"), ord("~") + 1))
-        + list(range(ord("¡"), ord("¬") + 1))
-        + list(range(ord("®"), ord("ÿ") + 1))
-    )
-    symbols, extra = {}, 0
-    for b in range(256):
-        if b in printable:
-            symbols[b] = chr(b)
-        else:
-            symbols[b] = chr(256 + extra)
-            extra += 1
-    return [symbols[b] for b in range(256)]

@@ -38,12 +38,15 @@ def pull_cmd(name: str) -> None:
 
 
 @models.command("make-random")
-@click.option("--arch", default="deepseek_v3", show_default=True)
+@click.option(
+    "--arch", default="deepseek_v3", show_default=True, help="deepseek_v3 or deepseek_v4."
+)
 @click.option(
     "--preset",
-    type=click.Choice(["tiny", "moonlight-16b-a3b", "deepseek-v3-671b"]),
+    type=click.Choice(["tiny", "moonlight-16b-a3b", "deepseek-v3-671b", "v4-flash"]),
     default="tiny",
     show_default=True,
+    help="tiny exists for both archs; v4-flash is deepseek_v4's, the others deepseek_v3's.",
 )
 @click.option("--layers", type=int, default=None, help="Keep real layer shapes, fewer layers.")
 @click.option(
