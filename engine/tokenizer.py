@@ -30,6 +30,13 @@ def _ids(value) -> list[int]:
     return [int(v) for v in value]
 
 
+def _declares_tokenizer_class(path: Path) -> bool:
+    try:
+        return bool(json.loads((path / "tokenizer_config.json").read_text()).get("tokenizer_class"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 class Tokenizer:
     """Text <-> token ids, special tokens and the chat template of one model."""
 
@@ -45,10 +52,16 @@ class Tokenizer:
         path = Path(path)
         if not any((path / f).is_file() for f in TOKENIZER_FILES):
             return None
-        from transformers import AutoTokenizer
+        from transformers import AutoTokenizer, PretrainedConfig
 
+        kwargs = {}
+        if _declares_tokenizer_class(path):
+            # the tokenizer files say what they are: transformers need not parse the
+            # model's config.json, which it cannot for configs it does not model (a tiny
+            # DeepSeek-V4 with an HCA ratio other than 128)
+            kwargs["config"] = PretrainedConfig()
         try:
-            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True)
+            hf = AutoTokenizer.from_pretrained(str(path), local_files_only=True, **kwargs)
         except Exception as exc:  # transformers raises many types for broken files
             raise ValueError(f"cannot load the tokenizer in {path}: {exc}") from exc
         return cls(hf, _generation_eos(path))

@@ -89,13 +89,13 @@ class V4Loader:
 
     def _hub_tensors(self, name: str, tensor: torch.Tensor):
         """The (hub name, tensor) pairs a checkpoint tensor holds ([] when skipped)."""
-        if name in self.targets or name.endswith(".wo_a.scale"):
-            return [(name, tensor)]
         if name.startswith("mtp."):
             if self.cfg.num_nextn_predict_layers:
                 return []  # the MTP layer is not built: its tensors are skipped on purpose
             self.unexpected.append(name)
             return []
+        if name in self.targets or name.endswith(".wo_a.scale"):
+            return [(name, tensor)]
         try:
             return [(from_layout(name, "hf_saved", self.cfg), tensor)]
         except KeyError:

@@ -109,9 +109,13 @@ class PagedRunner:
         num_blocks: int = 64,
         seed: int = 0,
         lookahead: int = 0,
-        num_state_slots: int = 8,
+        num_state_slots: int = 16,
     ):
         """`lookahead`: blocks are reserved that far past each step's tokens (MTP drafts)."""
+        from engine.model_runner import aligned_block_size
+
+        # a multiple of every cache's entry span, as the model runner makes it
+        block_size = aligned_block_size(block_size, model.cache_specs())
         self.model, self.block_size, self.lookahead = model, block_size, lookahead
         dtype = next(model.parameters()).dtype
         # fixed per-sequence state (V4's window ring and pooling rows), in scrambled slots

@@ -1,8 +1,8 @@
 """A row's output does not depend on its batch: the same seeded (and greedy) rows give the
 same tokens alone, in batches of 2, 7 and 64 with mixed neighbours, under chunked prefill
 and after forced preemption; and at the model level a row's logits are the same bits
-whichever step, chunking or neighbours computed them (CPU, float32 and bfloat16, llama and
-DeepSeek-V3 families)."""
+whichever step, chunking or neighbours computed them (CPU, float32 and bfloat16, llama,
+DeepSeek-V3 and DeepSeek-V4 families)."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ from tests.engine.deepseek_helpers import PagedRunner
 from tests.model_factory import make_tiny_llama
 
 NEW = 24
+FAMILIES = ["llama", "deepseek", "deepseek_v4"]
 
 
 @pytest.fixture(scope="module")
@@ -25,6 +26,9 @@ def models(tmp_path_factory):
     return {
         "llama": make_tiny_llama(root / "llama", seed=4, initializer_range=0.02),
         "deepseek": make_random_checkpoint(root / "ds", preset="tiny", seed=2, mtp=False),
+        "deepseek_v4": make_random_checkpoint(
+            root / "ds4", arch="deepseek_v4", preset="tiny", seed=2, mtp=False
+        ),
     }
 
 
@@ -77,7 +81,7 @@ def _run(llm: LLM, rows: list[tuple[list[int], SamplingParams]], targets) -> lis
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", ["llama", "deepseek"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_seeded_rows_alone_equal_rows_in_any_batch(models, family, dtype):
     path = str(models[family])
     base = LLM(path, device="cpu", dtype=dtype)
@@ -90,7 +94,7 @@ def test_seeded_rows_alone_equal_rows_in_any_batch(models, family, dtype):
         assert _run(llm, _neighbours(size, vocab), targets) == alone, size
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_rows_survive_forced_preemption_unchanged(models, family):
     path = str(models[family])
     base = LLM(path, device="cpu")
@@ -98,16 +102,19 @@ def test_rows_survive_forced_preemption_unchanged(models, family):
     targets = _targets(vocab)
     alone = [_run(base, [], [t])[0] for t in targets]
     runner = base.engine.runner
-    per_token = sum(s.bytes_per_token(runner.dtype) for s in runner.model.cache_specs())
-    # 40 blocks of 4 tokens: far fewer than 20 rows of up to ~60 tokens need at once
-    llm = LLM(path, device="cpu", block_size=4, kv_cache_memory=per_token * 4 * 40,
+    model = runner.model
+    block = 8  # a multiple of V4's entry spans (4, 8); the others take any
+    per_block = sum(s.bytes_per_block(block, runner.dtype) for s in model.cache_specs())
+    per_seq = sum(s.bytes_per_sequence(runner.dtype) for s in model.state_specs())
+    # 20 blocks of 8 tokens: far fewer than 20 rows of up to ~60 tokens need at once
+    llm = LLM(path, device="cpu", block_size=block, kv_cache_memory=per_block * 20 + per_seq * 20,
               max_num_seqs=20, max_num_batched_tokens=32)  # fmt: skip
     assert _run(llm, _neighbours(16, vocab), targets) == alone
     assert llm.num_preemptions > 0
 
 
 @pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
-@pytest.mark.parametrize("family", ["llama", "deepseek"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_logits_are_the_same_bits_whatever_computed_them(models, family, dtype):
     """One sequence's logits: its prompt in one step and then decoded alone, against the
     prompt chunked 5 + 20 + rest beside other sequences, decoded beside others, and
@@ -145,7 +152,7 @@ def test_logits_are_the_same_bits_whatever_computed_them(models, family, dtype):
         assert torch.equal(again[len(prompt) + i], want[i + 1])
 
 
-@pytest.mark.parametrize("family", ["llama", "deepseek"])
+@pytest.mark.parametrize("family", FAMILIES)
 def test_batch_invariant_off_takes_the_fused_forms_with_the_same_greedy_tokens(models, family):
     path = str(models[family])
     prompts = [p for p, _ in _targets(200)]
