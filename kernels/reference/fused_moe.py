@@ -33,10 +33,13 @@ def fused_moe_reference(
     w13_scale: torch.Tensor | None = None,
     w2_scale: torch.Tensor | None = None,
     compute_dtype: torch.dtype = torch.float32,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """sum_k weight[t, k] * down_e(silu(gate_e(x_t)) * up_e(x_t)), e = ids[t, k]. Only the
     experts some token chose are dequantized. float32 math by default (the oracle);
-    the benchmark runs it in bf16 as the plain-torch baseline. Result in x's dtype."""
+    the benchmark runs it in bf16 as the plain-torch baseline. Result in x's dtype.
+    swiglu_limit (V4): gate clamped from above only, up to [-limit, limit], before the
+    SiLU."""
     n_experts = w13.shape[0]
     xc = x.to(compute_dtype)
     out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)  # [T, D]
@@ -51,7 +54,18 @@ def fused_moe_reference(
         w2e = dequant_experts(w2[e], s2, fmt).to(compute_dtype)  # [D, I]
         inter = w13e.shape[0] // 2
         h = xc[tok] @ w13e.t()  # [n, 2I]
-        h = F.silu(h[:, :inter]) * h[:, inter:]  # [n, I]
+        h = swiglu_reference(h[:, :inter], h[:, inter:], swiglu_limit)  # [n, I]
         y = h @ w2e.t()  # [n, D]
         out.index_add_(0, tok, y.float() * topk_weights[tok, slot, None].float())
     return out.to(x.dtype)
+
+
+def swiglu_reference(
+    gate: torch.Tensor, up: torch.Tensor, limit: float | None = None
+) -> torch.Tensor:
+    """silu(gate) * up; with a limit, min(gate, limit) and up clamped to [-limit, limit]
+    first (transformers' DeepseekV4Experts)."""
+    if limit is not None:
+        gate = gate.clamp(max=limit)
+        up = up.clamp(min=-limit, max=limit)
+    return F.silu(gate) * up

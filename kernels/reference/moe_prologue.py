@@ -17,7 +17,7 @@ import torch
 
 from kernels.reference.moe_align import moe_align_reference
 from kernels.reference.moe_int8 import act_quant_int8_reference
-from kernels.reference.moe_router import moe_gate_route_reference
+from kernels.reference.moe_router import moe_gate_route_reference, moe_hash_route_reference
 
 
 @dataclass
@@ -52,10 +52,14 @@ def moe_prologue_reference(
     """x [T, D], gate_weight [E, D] -> what moe_prologue computes; routing arguments as
     moe_route_reference's. `topk_ids` given (e.g. the kernel's own): the grouping is of
     those ids, so a near tie in the routing, where float32 sums in another order may pick
-    another expert, does not make every later comparison fail."""
+    another expert, does not make every later comparison fail. `tid2eid` and `token_ids`
+    in `routing`: hash routing (moe_hash_route_reference), which takes no bias or groups."""
     t, d = x.shape
     e = gate_weight.shape[0]
-    weights, ids = moe_gate_route_reference(x, gate_weight, top_k, **routing)
+    if routing.get("tid2eid") is not None:
+        weights, ids = _hash_route(x, gate_weight, **routing)
+    else:
+        weights, ids = moe_gate_route_reference(x, gate_weight, top_k, **routing)
     group_ids = ids if topk_ids is None else topk_ids
     if block_m == 1 or t == 1:
         sorted_pairs, block_expert = tile_per_pair_alignment(group_ids, block_m)
@@ -64,3 +68,19 @@ def moe_prologue_reference(
     acc = torch.zeros(t, d, dtype=torch.float32, device=x.device)
     x_int8 = act_quant_int8_reference(x) if quantize_int8 else None
     return MoePrologueReference(weights, ids, sorted_pairs, block_expert, acc, x_int8)
+
+
+def _hash_route(
+    x: torch.Tensor,
+    gate_weight: torch.Tensor,
+    tid2eid: torch.Tensor,
+    token_ids: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    n_group: int = 1,
+    topk_group: int = 1,
+    **scoring,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The gate in float32 (as moe_gate_route_reference), then the hash routing."""
+    assert bias is None and n_group == 1, "hash routing takes no bias and no expert groups"
+    logits = x.float() @ gate_weight.float().t()  # [T, E]
+    return moe_hash_route_reference(logits, token_ids, tid2eid, **scoring)

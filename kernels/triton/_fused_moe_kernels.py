@@ -314,6 +314,17 @@ def _tile_ids(GROUP_M: tl.constexpr):
 
 
 @triton.jit
+def swiglu(gate, up, LIMIT: tl.constexpr):
+    """silu(gate) * up in float32; with a LIMIT (V4's swiglu_limit) gate is clamped from
+    above only and up to [-LIMIT, LIMIT] first, as the torch twin's swiglu. None compiles
+    no clamp."""
+    if LIMIT is not None:
+        gate = tl.minimum(gate, LIMIT)
+        up = tl.minimum(tl.maximum(up, -LIMIT), LIMIT)
+    return gate / (1.0 + tl.exp(-gate)) * up
+
+
+@triton.jit
 def moe_gate_up_kernel(
     # pointers
     x_ptr,  # [T, D] activations
@@ -347,6 +358,7 @@ def moe_gate_up_kernel(
     GU_SPLIT_K: tl.constexpr = 1,  # SWAP_AB only: grid axis 2 splits D; the last split to
     # arrive (arrival counter) sums the partials and applies SiLU * up
     GROUP_M: tl.constexpr = 1,  # token tiles per launch-order group (_tile_ids)
+    SWIGLU_LIMIT: tl.constexpr = None,  # the activation's clamp (swiglu), None for none
 ):
     pid_m, pid_n = _tile_ids(GROUP_M)
     expert, pairs = _tile_pairs(sorted_pairs_ptr, block_expert_ptr, pid_m, BLOCK_M, DENSE)
@@ -394,7 +406,7 @@ def moe_gate_up_kernel(
                                    cache_modifier=".cg")  # fmt: skip
             tl.atomic_xchg(counter, 0)  # zero again for the next launch
         gate, up = tl.split(tl.permute(tl.reshape(acc, (2, HALF, BLOCK_M)), (1, 2, 0)))
-        h = gate / (1.0 + tl.exp(-gate)) * up  # [HALF, BLOCK_M]
+        h = swiglu(gate, up, SWIGLU_LIMIT)  # [HALF, BLOCK_M]
         offs_u = pid_n * HALF + tl.arange(0, HALF)
         h_out = h_ptr + pairs.to(tl.int64)[None, :] * stride_hp + offs_u[:, None]
         tl.store(h_out, h.to(h_ptr.dtype.element_ty), mask=mask_m[None, :] & (offs_u < I)[:, None])
@@ -431,7 +443,7 @@ def moe_gate_up_kernel(
             acc_up = _apply_weights(acc_up, a_rows, mask_m, wu, su, k0, D, WFMT, BLOCK_K,
                                     F32_DOT)  # fmt: skip
             wg, sg, wu, su = nwg, nsg, nwu, nsu
-    h = acc_gate / (1.0 + tl.exp(-acc_gate)) * acc_up
+    h = swiglu(acc_gate, acc_up, SWIGLU_LIMIT)
     h_out = h_ptr + pairs.to(tl.int64)[:, None] * stride_hp + offs_n[None, :]
     tl.store(h_out, h.to(h_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 

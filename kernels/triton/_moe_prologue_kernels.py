@@ -9,7 +9,7 @@ import triton.language as tl
 
 from kernels.triton._moe_align_kernels import align_pairs, zero_block
 from kernels.triton._moe_int8_kernels import quantize_row_block
-from kernels.triton._moe_router_kernels import gate_logits, route_split_row
+from kernels.triton._moe_router_kernels import gate_logits, hash_row_of, route_split_row
 
 
 @triton.jit
@@ -18,6 +18,8 @@ def moe_prologue_kernel(
     x_ptr,  # [T, D] any float dtype
     w_ptr,  # [E, D] float32 or bf16 gate weight
     bias_ptr,  # [E] float32 (HAS_BIAS)
+    tid2eid_ptr,  # [vocab, TOP_K] int (HASH)
+    token_ids_ptr,  # [T] int (HASH)
     logits_ptr,  # [T, E] float32 scratch
     counters_ptr,  # [T + 1] int32, zero between launches: per token, then all tokens
     ids_ptr,  # [T, TOP_K] int32 out
@@ -48,6 +50,7 @@ def moe_prologue_kernel(
     BLOCK_E: tl.constexpr,
     BLOCK_G: tl.constexpr,
     BLOCK_K: tl.constexpr,
+    HASH: tl.constexpr,
     GEMV_E: tl.constexpr,
     BLOCK_D: tl.constexpr,
     # grouping (moe_align)
@@ -70,8 +73,9 @@ def moe_prologue_kernel(
                              GEMV_E, BLOCK_D)  # fmt: skip
         routed = route_split_row(
             logits, offs_e, mask_e, logits_ptr + t * E, counters_ptr + t, blocks, bias_ptr,
+            hash_row_of(tid2eid_ptr, token_ids_ptr, t, TOP_K, HASH),
             ids_ptr + t * TOP_K, weights_ptr + t * TOP_K, E, scaling,
-            SCORING, HAS_BIAS, N_GROUP, TOPK_GROUP, TOP_K, NORM, BLOCK_E, BLOCK_G, BLOCK_K,
+            SCORING, HAS_BIAS, N_GROUP, TOPK_GROUP, TOP_K, NORM, BLOCK_E, BLOCK_G, BLOCK_K, HASH,
         )  # fmt: skip
         if not TILE_PER_PAIR:
             if routed:

@@ -9,7 +9,8 @@ per token; T*K (token, expert) pairs). Torch twin: kernels/reference/fused_moe.p
      y [T, D] in the same launch. At decode sizes the caller may instead pass
      moe_prologue's result, whose one launch also routed the tokens (`prologue=`).
   2. gate+up: one GEMM over the stacked [E, 2I, D] weight (gate rows first, then up),
-     SiLU(gate) * up fused in the epilogue -> h [T*K, I].
+     SiLU(gate) * up fused in the epilogue -> h [T*K, I]; with a `swiglu_limit` (V4) gate
+     is clamped from above and up to [-limit, limit] before it.
   3. down: h @ W2[e]^T over [E, D, I], times the pair's routing weight, atomically added
      into the token's row of y (the combine, no [T*K, D] buffer and no reduction launch;
      optionally split along K, the splits meeting in the same atomics).
@@ -31,7 +32,9 @@ MXFP4 experts also have an int8 path for 1-8 tokens (config "KERNEL": "int8",
 _moe_int8_kernels.py): the codes become exact int8 through a byte-permute table and meet
 the activations, quantized to int8 per 32 (x by one extra launch, h by the gate+up
 epilogue), in dp4a; ~3 instructions per weight against the MMA kernels' ~8.4, where those
-are issue-bound. Only a tuned table entry selects it (the H200's table does at 1-8 tokens).
+are issue-bound. Only a tuned table entry selects it (the H200's table does at 1-8 tokens),
+and not with a `swiglu_limit`: the int8 epilogue has no clamp, so such a call takes the
+heuristic's MMA config instead.
 
 At prefill sizes MXFP4 experts may instead be decoded to bf16 once per call, into a
 scratch the bf16 kernels then read (config "KERNEL": "dequant", with the bf16 kernels'
@@ -88,6 +91,7 @@ class SharedExpert:
     w2: torch.Tensor
     w13_scale: torch.Tensor | None = None
     w2_scale: torch.Tensor | None = None
+    swiglu_limit: float | None = None  # its activation's clamp, as fused_moe's
 
 
 @dataclass
@@ -219,12 +223,15 @@ def fused_moe(
     shared_stream: torch.cuda.Stream | None = None,
     prologue: MoePrologue | None = None,
     ordered_combine: bool = False,
+    swiglu_limit: float | None = None,
 ) -> torch.Tensor:
     """x [T, D] bf16/fp16; w13 [E, 2I, D] (gate rows, then up rows); w2 [E, D, I];
     topk_weights [T, K] float32; topk_ids [T, K] int. Returns [T, D] in out_dtype (default
     x's dtype): sum_k topk_weights[t, k] * down(silu(gate(x_t)) * up(x_t)) of expert
     topk_ids[t, a], plus shared(x_t) when a shared expert is given. out_dtype float32
-    returns the combine's accumulator itself (no cast launch).
+    returns the combine's accumulator itself (no cast launch). swiglu_limit: the routed
+    experts' clamp, min(gate, limit) and up within [-limit, limit] before the SiLU (the
+    shared expert's is its own SharedExpert.swiglu_limit); None computes no clamp.
 
     shared_stream: the shared expert's two launches run there, at the same time as the
     routed experts' (both add into the accumulator with atomics once moe_align has zeroed
@@ -256,7 +263,7 @@ def fused_moe(
     top_k = topk_ids.shape[1]
     if t == 0:
         return torch.empty_like(x)
-    cfg = choose_config(t, top_k, e, d, i, fmt, x.device, config)
+    cfg = choose_config(t, top_k, e, d, i, fmt, x.device, config, swiglu_limit)
     if cfg.get("KERNEL") == "dequant":
         assert prologue is None, "a dequant config is for prefill sizes, not the prologue's"
         scratch = 2 * (w13.numel() + w2.numel()) * 2  # bf16, two weights per code byte
@@ -270,6 +277,7 @@ def fused_moe(
                 topk_weights, topk_ids, "bf16",
                 config={k: v for k, v in cfg.items() if k != "KERNEL"},
                 shared=shared, out_dtype=out_dtype, shared_stream=shared_stream,
+                swiglu_limit=swiglu_limit,
             )  # fmt: skip
         cfg = default_config(t * top_k, e, fmt)
     int8 = cfg.get("KERNEL") == "int8"
@@ -281,7 +289,7 @@ def fused_moe(
             "ordered_combine takes no K split"
         )
         return _ordered_moe(x, w13, w2, topk_weights, topk_ids, fmt, w13_scale, w2_scale, cfg,
-                            out_dtype)  # fmt: skip
+                            out_dtype, swiglu_limit)  # fmt: skip
     if prologue is None:
         y = torch.empty((t, d), dtype=torch.float32, device=x.device)  # zeroed by moe_align
         align = moe_align(topk_ids, e, cfg["BLOCK_M"], zero=y)
@@ -335,7 +343,7 @@ def fused_moe(
                 p, d, i,
                 x.stride(0), w13.stride(0), w13.stride(1), *s13_strides, h.stride(0),
                 TOPK=top_k, WFMT=_wfmt(fmt, w13_scale), DENSE=False,
-                GU_SPLIT_K=cfg.get("GU_SPLIT_K", 1), **meta,
+                GU_SPLIT_K=cfg.get("GU_SPLIT_K", 1), SWIGLU_LIMIT=_limit(swiglu_limit), **meta,
             )  # fmt: skip
         if inline is not None:
             h_shared = _shared_gate_up(x, inline, d)
@@ -366,7 +374,9 @@ def fused_moe(
     return y if out_dtype == torch.float32 else y.to(out_dtype or x.dtype)
 
 
-def _ordered_moe(x, w13, w2, topk_weights, topk_ids, fmt, w13_scale, w2_scale, cfg, out_dtype):
+def _ordered_moe(
+    x, w13, w2, topk_weights, topk_ids, fmt, w13_scale, w2_scale, cfg, out_dtype, swiglu_limit
+):
     """fused_moe with ordered_combine: gate+up as usual, the down launch writing pair rows
     (TOPK 1 makes each pair its own "token"), then the in-order slot sum."""
     t, d = x.shape
@@ -385,7 +395,8 @@ def _ordered_moe(x, w13, w2, topk_weights, topk_ids, fmt, w13_scale, w2_scale, c
         x, w13, s13, h, pairs, groups, *_gate_up_split_buffers(max_blocks, i, cfg, h),
         p, d, i,
         x.stride(0), w13.stride(0), w13.stride(1), *s13_strides, h.stride(0),
-        TOPK=top_k, WFMT=_wfmt(fmt, w13_scale), DENSE=False, GU_SPLIT_K=1, **_launch_meta(cfg),
+        TOPK=top_k, WFMT=_wfmt(fmt, w13_scale), DENSE=False, GU_SPLIT_K=1,
+        SWIGLU_LIMIT=_limit(swiglu_limit), **_launch_meta(cfg),
     )  # fmt: skip
     down = down_config(cfg)
     moe_down_kernel[(max_blocks, triton.cdiv(d, down["BLOCK_N"]), 1)](
@@ -408,11 +419,28 @@ def fixed_config(fmt: str) -> dict:
 
 
 def choose_config(
-    t: int, top_k: int, e: int, d: int, i: int, fmt: str, device, config: dict | None = None
+    t: int,
+    top_k: int,
+    e: int,
+    d: int,
+    i: int,
+    fmt: str,
+    device,
+    config: dict | None = None,
+    swiglu_limit: float | None = None,
 ) -> dict:
     """The launch config of a fused_moe call: `config` if given, else the tuned table's
-    entry for the shape on this device, else the heuristic; checked for the format."""
-    cfg = config or configs.lookup(OP, shape_key(t, top_k, e, d, i, fmt), device)
+    entry for the shape on this device, else the heuristic; checked for the format. With
+    a `swiglu_limit` a tuned int8 entry gives way to the heuristic (the int8 epilogue does
+    not clamp), and a given int8 config is refused."""
+    tuned = None if config else configs.lookup(OP, shape_key(t, top_k, e, d, i, fmt), device)
+    if swiglu_limit is not None:
+        assert not config or config.get("KERNEL") != "int8", (
+            "the int8 kernels do not clamp: no int8 config with a swiglu_limit"
+        )
+        if tuned is not None and tuned.get("KERNEL") == "int8":
+            tuned = None
+    cfg = config or tuned
     cfg = dict(cfg) if cfg is not None else default_config(t * top_k, e, fmt)
     _check_config(cfg, fmt)
     return cfg
@@ -499,6 +527,11 @@ def _gate_up_split_buffers(
     return part, arrival_counters(device, tiles_m * _gate_up_tiles(i, cfg), lane)
 
 
+def _limit(swiglu_limit: float | None) -> float | None:
+    """The SWIGLU_LIMIT meta-parameter: a float (one compiled variant per value), or None."""
+    return None if swiglu_limit is None else float(swiglu_limit)
+
+
 def _launch_meta(cfg: dict) -> dict:
     """A config's meta-parameters and launch options, as every launch here passes them."""
     return dict(BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
@@ -558,7 +591,7 @@ def _shared_gate_up(
         t, d, i,
         x.stride(0), 0, shared.w13.stride(0), *s13_strides, h.stride(0),
         TOPK=1, WFMT=_wfmt(shared.fmt, shared.w13_scale), DENSE=True,
-        GU_SPLIT_K=cfg.get("GU_SPLIT_K", 1),
+        GU_SPLIT_K=cfg.get("GU_SPLIT_K", 1), SWIGLU_LIMIT=_limit(shared.swiglu_limit),
         **_launch_meta(cfg),
     )  # fmt: skip
     return h

@@ -8,7 +8,8 @@ plus ~1.3 us between dependent launches in a graph). Their work is
 independent except router -> grouping, which an arrival counter orders inside the launch:
 
   programs [0, T * blocks)      gate GEMV of (token, block of experts) -> logits scratch;
-                                a token's last block routes its row (route_split_row);
+                                a token's last block routes its row (route_split_row:
+                                top-k, or its tid2eid row by token id);
                                 the last token routed groups all pairs (align_pairs),
                                 unless each pair has a tile of its own (the int8
                                 kernels' BLOCK_M = 1, or one token: its experts are
@@ -40,6 +41,7 @@ from kernels.triton._moe_prologue_kernels import moe_prologue_kernel
 from kernels.triton.moe_align import ZERO_BLOCK, MoeAlignment, max_padded_pairs
 from kernels.triton.moe_router import (
     GEMV_TILE,
+    check_hash,
     check_routing,
     gate_experts_per_program,
     routing_constants,
@@ -69,11 +71,14 @@ def moe_prologue(
     norm_topk_prob: bool = True,
     routed_scaling_factor: float = 1.0,
     scoring: str = "sigmoid",
+    tid2eid: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> MoePrologue:
     """x [T, D] (bf16/fp16, T <= PROLOGUE_MAX_TOKENS) and the gate weight [E, D] -> the
     routing, the pairs grouped into tiles of `block_m` rows (the fused MoE
     config's BLOCK_M), x quantized for the int8 kernels when `quantize_int8`, and a zeroed
-    float32 accumulator [T, D]. Routing arguments as moe_router.moe_gate_route's."""
+    float32 accumulator [T, D]. Routing arguments as moe_router.moe_gate_route's (hash
+    routing by `tid2eid` and `token_ids` included)."""
     assert x.dim() == 2 and x.stride(-1) == 1, "x must be a row-major [T, D]"
     assert gate_weight.dim() == 2 and gate_weight.stride(-1) == 1, "gate weight must be [E, D]"
     t, d = x.shape
@@ -84,7 +89,8 @@ def moe_prologue(
     )
     assert not quantize_int8 or d % 32 == 0, f"int8 activations need D % 32 == 0, got {d}"
     bias = check_routing(e, top_k, bias, n_group, topk_group, scoring)
-    check_device(x, gate_weight)
+    hashed = check_hash(t, top_k, tid2eid, token_ids, bias, n_group)
+    check_device(x, gate_weight, *(hashed or ()))
     device = x.device
     p = t * top_k
     max_blocks = -(-max_padded_pairs(p, e, block_m) // block_m)
@@ -111,12 +117,13 @@ def moe_prologue(
     block_e = next_pow2(e)
     programs = t * triton.cdiv(e, per) + quant_programs + triton.cdiv(t * d, ZERO_BLOCK)
     moe_prologue_kernel[(programs,)](
-        x, gate_weight, bias if bias is not None else weights, logits, counters, ids, weights,
+        x, gate_weight, bias if bias is not None else weights, *(hashed or (ids, ids)),
+        logits, counters, ids, weights,
         sorted_pairs, block_expert, xq, xs, acc,
         t, d, e, float(routed_scaling_factor), max_blocks,
         x.stride(0), gate_weight.stride(0), xq.stride(0), xs.stride(0),
         **routing_constants(e, top_k, bias is not None, n_group, topk_group, norm_topk_prob,
-                            scoring),
+                            scoring, hashed is not None),
         GEMV_E=per, BLOCK_D=min(next_pow2(d), max(GEMV_TILE // per, 32)),
         BLOCK_M=block_m, TILE_PER_PAIR=tile_per_pair, CHUNK=max(16, min(256, 8192 // block_e, next_pow2(p))),
         TILES=max(16, min(64, next_pow2(max_blocks))),

@@ -9,6 +9,11 @@ and the statement of the routing it computes, is kernels/reference/moe_router.py
   ids = top_k of `choice` over the kept experts (others -inf, as DeepSeek's reference does)
   weights = s[ids]; if norm_topk_prob: / (sum + 1e-20); then * routed_scaling_factor
 
+Hash routing (`tid2eid` and `token_ids` given; V4's first layers): ids = tid2eid[token_ids]
+in the table's order, no bias and no groups; the weights as above
+(`moe_hash_route_reference`). The table is read on the device, by each token's id, so a
+hash-routed step needs no host sync either.
+
 Both return (topk_weights [T, K] float32, topk_ids [T, K] int32), ordered by choice, best
 first: the (weights, ids) order of every router in the house.
 
@@ -52,14 +57,42 @@ def check_routing(
     return bias.float().contiguous()
 
 
+def check_hash(
+    t: int,
+    top_k: int,
+    tid2eid: torch.Tensor | None,
+    token_ids: torch.Tensor | None,
+    bias: torch.Tensor | None,
+    n_group: int,
+) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """Validate hash routing's arguments; returns (tid2eid, token_ids) contiguous, or None
+    without a table. The table's entries must be expert ids < E: they are not checked
+    here, which would read them back to the host."""
+    if tid2eid is None:
+        assert token_ids is None, "token_ids are read only with a tid2eid table"
+        return None
+    assert token_ids is not None, "hash routing needs the step's token_ids"
+    assert tid2eid.dim() == 2 and tid2eid.shape[1] == top_k, (
+        f"tid2eid must be [vocab, top_k={top_k}], got {list(tid2eid.shape)}"
+    )
+    assert not tid2eid.is_floating_point() and not token_ids.is_floating_point(), (
+        "tid2eid and token_ids must be integer tensors"
+    )
+    assert token_ids.numel() == t, f"{token_ids.numel()} token_ids for {t} tokens"
+    assert bias is None and n_group == 1, "hash routing takes no bias and no expert groups"
+    return tid2eid.contiguous(), token_ids.reshape(-1).contiguous()
+
+
 def routing_constants(
-    e: int, top_k: int, has_bias: bool, n_group: int, topk_group: int, norm: bool, scoring: str
-) -> dict:
+    e: int, top_k: int, has_bias: bool, n_group: int, topk_group: int, norm: bool, scoring: str,
+    hashed: bool = False,
+) -> dict:  # fmt: skip
     return dict(
         SCORING=SCORING[scoring], HAS_BIAS=has_bias,
         N_GROUP=n_group if topk_group < n_group else 1, TOPK_GROUP=topk_group,
         TOP_K=top_k, NORM=norm,
         BLOCK_E=next_pow2(e), BLOCK_G=next_pow2(n_group), BLOCK_K=next_pow2(top_k),
+        HASH=hashed,
     )  # fmt: skip
 
 
@@ -72,21 +105,25 @@ def moe_route(
     norm_topk_prob: bool = True,
     routed_scaling_factor: float = 1.0,
     scoring: str = "sigmoid",
+    tid2eid: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [T, E] (the gate matmul's output) -> (topk_weights [T, K] float32,
-    topk_ids [T, K] int32). Field names follow DeepSeek's config.json."""
+    topk_ids [T, K] int32). Field names follow DeepSeek's config.json; `tid2eid` [vocab, K]
+    and `token_ids` [T] (both int) route by hash instead of by top-k."""
     assert logits.dim() == 2 and logits.stride(-1) == 1, "logits must be a row-major [T, E]"
     t, e = logits.shape
     bias = check_routing(e, top_k, bias, n_group, topk_group, scoring)
-    check_device(logits)
+    hashed = check_hash(t, top_k, tid2eid, token_ids, bias, n_group)
+    check_device(logits, *(hashed or ()))
     ids = torch.empty((t, top_k), dtype=torch.int32, device=logits.device)
     weights = torch.empty((t, top_k), dtype=torch.float32, device=logits.device)
     if t:
         moe_router_kernel[(t,)](
-            logits, bias if bias is not None else logits, ids, weights,
+            logits, bias if bias is not None else logits, *(hashed or (ids, ids)), ids, weights,
             e, logits.stride(0), float(routed_scaling_factor),
             **routing_constants(e, top_k, bias is not None, n_group, topk_group,
-                                 norm_topk_prob, scoring),
+                                norm_topk_prob, scoring, hashed is not None),
             num_warps=4 if e > 128 else 1,
         )  # fmt: skip
     return weights, ids
@@ -112,6 +149,8 @@ def moe_gate_route(
     norm_topk_prob: bool = True,
     routed_scaling_factor: float = 1.0,
     scoring: str = "sigmoid",
+    tid2eid: torch.Tensor | None = None,
+    token_ids: torch.Tensor | None = None,
     block_d: int | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """x [T, D] (any float dtype) and the gate weight [E, D] (float32 or bf16) ->
@@ -124,7 +163,8 @@ def moe_gate_route(
     e = gate_weight.shape[0]
     assert gate_weight.shape[1] == d, f"gate weight {list(gate_weight.shape)} vs x [{t}, {d}]"
     bias = check_routing(e, top_k, bias, n_group, topk_group, scoring)
-    check_device(x, gate_weight)
+    hashed = check_hash(t, top_k, tid2eid, token_ids, bias, n_group)
+    check_device(x, gate_weight, *(hashed or ()))
     ids = torch.empty((t, top_k), dtype=torch.int32, device=x.device)
     weights = torch.empty((t, top_k), dtype=torch.float32, device=x.device)
     if t == 0:
@@ -138,11 +178,12 @@ def moe_gate_route(
     else:  # never read: one program per token keeps its row in registers
         logits = counters = weights
     moe_gate_router_kernel[(t, blocks)](
-        x, gate_weight, bias if bias is not None else weights, logits, counters, ids, weights,
+        x, gate_weight, bias if bias is not None else weights, *(hashed or (ids, ids)),
+        logits, counters, ids, weights,
         d, e, float(routed_scaling_factor),
         x.stride(0), gate_weight.stride(0), logits.stride(0),
         **routing_constants(e, top_k, bias is not None, n_group, topk_group,
-                             norm_topk_prob, scoring),
+                            norm_topk_prob, scoring, hashed is not None),
         GEMV_E=per, BLOCK_D=block_d or min(next_pow2(d), max(GEMV_TILE // per, 32)),
         SPLIT=split,
         num_warps=4,

@@ -22,7 +22,6 @@ from engine.config import CudaTuning  # noqa: E402
 from engine.layers.deepseek_router import RouterSpec  # noqa: E402
 from engine.layers.moe import DeepseekMoE  # noqa: E402
 from engine.ops.device_layer import DeviceSetup  # noqa: E402
-from engine.ops.moe import TORCH_MOE  # noqa: E402
 
 VOCAB, D, I, E, K = 128, 64, 32, 16, 3
 # Small against the gate/up values of these weights (std ~1.6), so most clamps bind.
@@ -191,28 +190,39 @@ def test_router_spec_checks_hash_routing():
     assert not spec.uses_bias and not spec.uses_groups
 
 
-def cuda_setup() -> DeviceSetup:
+def cuda_setup(dtype=torch.float32, batch_invariant=False) -> DeviceSetup:
+    """A setup that picks the CUDA backend's ops for tensors that stay on the CPU (where
+    the kernels run in the interpreter)."""
     tuning = CudaTuning(shared_expert_stream=False)
-    return DeviceSetup(torch.device("cuda"), torch.float32, 64, tuning, batch_invariant=False)
+    return DeviceSetup(torch.device("cuda"), dtype, 64, tuning, batch_invariant=batch_invariant)
+
+
+def cuda_ops(moe, setup: DeviceSetup):
+    from engine.backends.cuda.moe import CudaMoeOps, cuda_moe_ops
+
+    ops = cuda_moe_ops(moe, setup)
+    assert isinstance(ops, CudaMoeOps)  # every V4 layer: no torch fallback
+    return ops
+
+
+def _no_torch_router(*args, **kwargs):
+    raise AssertionError("the router module ran: the CUDA ops should route by kernel")
 
 
 @pytest.mark.parametrize(
-    "layer, limit, kernels",
-    [(0, None, False), (1, LIMIT, False), (0, LIMIT, False), (1, None, True)],
+    "layer, limit",
+    [(0, None), (1, LIMIT), (0, LIMIT), (1, None)],
     ids=["hash", "clamp", "hash+clamp", "sqrtsoftplus-topk"],
 )
-def test_cuda_backend_takes_the_torch_ops_where_its_kernels_do_not_apply(layer, limit, kernels):
-    from engine.backends.cuda.moe import CudaMoeOps, cuda_moe_ops
-
+@pytest.mark.parametrize("invariant", [False, True], ids=["fast", "batch-invariant"])
+def test_cuda_ops_compute_every_v4_layer_as_transformers(layer, limit, invariant, monkeypatch):
+    # float32: the router kernels (the hash lookup included) and the experts gathered by
+    # id with the clamp, equal to transformers' float32 block
     cfg = hf_config()
     block = random_hf_block(cfg, layer, 0)
     moe = engine_block(cfg, layer, block, limit)
-    ops = cuda_moe_ops(moe, cuda_setup())
-    if kernels:
-        assert CudaMoeOps.unsupported(moe) is None and isinstance(ops, CudaMoeOps)
-    else:
-        assert CudaMoeOps.unsupported(moe) is not None and ops is TORCH_MOE
-    moe.ops = ops
+    moe.ops = cuda_ops(moe, cuda_setup(batch_invariant=invariant))
+    monkeypatch.setattr(moe.gate, "forward", _no_torch_router)
     x, tokens = inputs(5)
     cfg_limit = hf_config(limit if limit is not None else 1e9)
     ref_block = random_hf_block(cfg_limit, layer, 0)
@@ -220,3 +230,63 @@ def test_cuda_backend_takes_the_torch_ops_where_its_kernels_do_not_apply(layer, 
         ref = ref_block(x[None], tokens[None])[0]
         out = moe(x, tokens)
     torch.testing.assert_close(out.float(), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_cuda_ops_hash_layer_needs_input_ids():
+    cfg = hf_config()
+    moe = engine_block(cfg, 0, random_hf_block(cfg, 0, 0), LIMIT)
+    moe.ops = cuda_ops(moe, cuda_setup())
+    x, tokens = inputs(0)
+    with pytest.raises(ValueError, match="input_ids"):
+        moe(x)
+    with pytest.raises(ValueError, match="input_ids"):
+        moe(x, tokens[:-1])
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref.double()).norm() / ref.double().norm())
+
+
+def bf16_blocks(layer: int, seed: int):
+    """transformers' float32 block on bf16-representable weights, and the engine's bf16
+    block (float32 router) with the same values: the CUDA ops take their fused kernels."""
+    cfg = hf_config()
+    block = random_hf_block(cfg, layer, seed)
+    with torch.no_grad():
+        for p in block.parameters():
+            if p.is_floating_point():
+                p.copy_(p.bfloat16().float())
+    previous = torch.get_default_dtype()
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        moe = engine_block(cfg, layer, block, LIMIT)
+    finally:
+        torch.set_default_dtype(previous)
+    return block, moe
+
+
+@pytest.mark.parametrize("layer", [0, 1], ids=["hash", "topk"])
+@pytest.mark.parametrize(
+    "tokens, invariant",
+    [(1, False), (5, False), (24, False), (24, True)],
+    ids=["prologue-1", "prologue-5", "router+align", "batch-invariant"],
+)
+def test_cuda_fused_kernels_equal_transformers_in_bf16(layer, tokens, invariant):
+    # bf16 activations: the router (or the decode prologue) with the hash lookup, the
+    # fused MoE with the clamp, the shared expert clamped inside the same launches (or,
+    # batch-invariant, through its own linears)
+    block, moe = bf16_blocks(layer, seed=6)
+    ops = cuda_ops(moe, cuda_setup(torch.bfloat16, batch_invariant=invariant))
+    assert ops.fused is not None and ops.shared.swiglu_limit == LIMIT
+    moe.ops = ops
+    x, ids = inputs(7, tokens)
+    x = x.bfloat16()
+    with torch.no_grad():
+        ref = block(x.float()[None], ids[None])[0]
+        out = moe(x, ids)
+    assert rel_err(out, ref) < 2e-2
+    # The clamps bind: the unclamped block is far outside that tolerance.
+    unclamped = hf.DeepseekV4SparseMoeBlock(hf_config(1e9), layer)
+    unclamped.load_state_dict(block.state_dict())
+    with torch.no_grad():
+        assert rel_err(unclamped(x.float()[None], ids[None])[0], ref) > 0.2

@@ -3,16 +3,20 @@ experts read in their stored format), with the shared expert inside the same lau
 decode sizes. At decode sizes one prologue launch does the routing, the (token, slot)
 grouping, x's int8 quantization and the accumulator's zeroing.
 
+V4's layers take the same kernels: hash routing reads the layer's tid2eid table by the
+step's token ids inside the router (and prologue) launch, and a `swiglu_limit` is the
+clamp in the kernels' SiLU epilogue, for the routed experts and for the shared expert
+fused into the same launches (a shared expert run through its own linears clamps itself).
+
 Nothing here reads a device value back to the host (sizes come from host-known T, K, E),
 so a decode step can be captured in one CUDA graph (engine/cuda_graph_runner.py). A
-float32 model (exactness tests) keeps the torch code except for the experts, which are
-gathered by id (no host sync) where they are unquantized.
-
-A layer the kernels cannot compute (CudaMoeOps.unsupported: V4's hash routing and SwiGLU
-clamps) takes the torch ops instead, which read expert counts back to the host: eager only.
+float32 model (exactness tests) keeps the torch code except for the router and the
+experts, which are gathered by id (no host sync) where they are unquantized.
 """
 
 from __future__ import annotations
+
+from dataclasses import replace
 
 import torch
 import torch.nn.functional as F
@@ -24,7 +28,7 @@ from engine.backends.cuda.expert_stacking import (
 )
 from engine.backends.cuda.norm_linear import KERNEL_DTYPES
 from engine.ops.device_layer import DeviceSetup, register
-from engine.ops.moe import TORCH_MOE, MoeOps, routed_experts_forward
+from engine.ops.moe import MoeOps, routed_experts_forward, swiglu
 
 # Tokens up to which the shared expert runs inside the fused MoE launches, where it saves
 # launches and runs beside the routed experts. Larger steps are arithmetic-bound, where
@@ -36,13 +40,16 @@ SHARED_FUSED_MAX_TOKENS = 64
 ROUTER_FUSED_MAX_TOKENS = 64
 
 
-def routing_args(spec, bias: torch.Tensor | None) -> dict | None:
+def routing_args(
+    spec, bias: torch.Tensor | None, tid2eid: torch.Tensor | None = None
+) -> dict | None:
     """The router kernels' routing arguments for a RouterSpec, or None where they do not
-    apply (V2's greedy groups score a group by its max; the kernels by the top-2 sum)."""
+    apply (V2's greedy groups score a group by its max; the kernels by the top-2 sum). A
+    hash-routed spec gives its `tid2eid` table; each call adds the step's `token_ids`."""
     if spec.topk_method == "group_limited_greedy" and spec.topk_group < spec.n_group:
         return None
     grouped = spec.uses_groups and spec.topk_group < spec.n_group
-    return dict(
+    routing = dict(
         top_k=spec.top_k,
         bias=bias if spec.uses_bias else None,
         n_group=spec.n_group if grouped else 1,
@@ -51,6 +58,11 @@ def routing_args(spec, bias: torch.Tensor | None) -> dict | None:
         routed_scaling_factor=spec.routed_scaling_factor,
         scoring=spec.scoring_func,
     )
+    if spec.hash_routing:
+        if tid2eid is None:
+            raise ValueError("a hash-routed spec needs its tid2eid table")
+        routing["tid2eid"] = tid2eid
+    return routing
 
 
 class CudaMoeOps(MoeOps):
@@ -63,42 +75,44 @@ class CudaMoeOps(MoeOps):
         self.shared = None
         if moe.shared_experts is not None:
             self.shared = stack_shared_expert(moe.shared_experts)
+            if self.shared is not None:
+                self.shared = replace(self.shared, swiglu_limit=moe.shared_experts.swiglu_limit)
         self.stream = None
         if setup.tuning.shared_expert_stream and setup.device.type == "cuda":
             self.stream = setup.shared(
                 "cuda.shared_stream", lambda: torch.cuda.Stream(setup.device)
             )
         gate = moe.gate
-        self.routing = routing_args(gate.spec, gate.e_score_correction_bias)
+        self.routing = routing_args(gate.spec, gate.e_score_correction_bias, gate.tid2eid)
         self.routing_top_k = gate.spec.top_k
+        self.hashed = gate.spec.hash_routing
+        self.swiglu_limit = moe.experts.swiglu_limit
         self.invariant = setup.batch_invariant
 
-    @staticmethod
-    def unsupported(moe) -> str | None:
-        """What in this layer the kernels do not compute, or None: the router kernels have
-        no tid2eid lookup, and the fused MoE kernels (and the shared expert fused into
-        them) no swiglu_limit clamp."""
-        if moe.gate.spec.hash_routing:
-            return "hash routing"
-        shared = moe.shared_experts
-        if moe.experts.swiglu_limit is not None or (
-            shared is not None and shared.swiglu_limit is not None
-        ):
-            return "swiglu_limit"
-        return None
+    def token_ids(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> dict:
+        """The per-call routing argument: a hash-routed layer's `token_ids` (the step's
+        input_ids, one per row of x), else nothing. A shape check only: no host sync."""
+        if not self.hashed:
+            return {}
+        if input_ids is None:
+            raise ValueError("a hash-routed MoE layer needs the step's input_ids")
+        if input_ids.numel() != x.shape[0]:
+            raise ValueError(f"{input_ids.numel()} input_ids for {x.shape[0]} tokens")
+        return {"token_ids": input_ids}
 
     def uses_kernels(self, x: torch.Tensor) -> bool:
         return self.fused is not None and x.dtype in KERNEL_DTYPES
 
     def forward(self, moe, x, input_ids=None):
-        """x [T, D] -> [T, D] (`input_ids` is unread: hash-routed layers take the torch ops). On the fused path the result is the kernels' float32
-        accumulator: the next step is always the pre-norm residual add (the fused RMSNorm
-        takes a float32 x), so a cast launch per layer is saved."""
+        """x [T, D] -> [T, D]; `input_ids` [T] is read by a hash-routed layer only. On the
+        fused path the result is the kernels' float32 accumulator: the next step is always
+        the pre-norm residual add (the fused RMSNorm takes a float32 x), so a cast launch
+        per layer is saved."""
         from kernels.triton.fused_moe import start_shared_expert
 
         x = x.contiguous()
         if self.invariant:
-            return self.forward_invariant(moe, x)
+            return self.forward_invariant(moe, x, input_ids)
         # At decode sizes the fused kernels add the shared expert into the routed experts'
         # accumulator (two launches instead of gate, up, silu, mul, down and the add).
         shared = self.shared if x.shape[0] <= SHARED_FUSED_MAX_TOKENS else None
@@ -109,11 +123,11 @@ class CudaMoeOps(MoeOps):
         pending = start_shared_expert(x, shared, self.stream) if side else None
         try:
             config = self.launch_config(x) if fused and x.shape[0] else None
-            prologue = self.prologue(moe, x, config)
+            prologue = self.prologue(moe, x, config, input_ids)
             if prologue is not None:
                 weights, ids = prologue.topk_weights, prologue.topk_ids
             else:
-                weights, ids = self.route(moe, x)
+                weights, ids = self.route(moe, x, input_ids)
             if moe.routing_recorder is not None:
                 moe.routing_recorder.record(moe.layer_index, ids, moe.experts.bytes_per_expert())
             out = self.routed_experts(
@@ -126,7 +140,9 @@ class CudaMoeOps(MoeOps):
             out = out + moe.shared_experts(x)
         return out
 
-    def forward_invariant(self, moe, x: torch.Tensor) -> torch.Tensor:
+    def forward_invariant(
+        self, moe, x: torch.Tensor, input_ids: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The batch-invariant form: the router's float32 logits from the fixed-config
         matmul and the per-token routing kernel, the routed experts at one config with the
         ordered combine, the shared expert through its own (fixed-config) linears, added
@@ -136,10 +152,11 @@ class CudaMoeOps(MoeOps):
         from kernels.triton.moe_router import moe_route
 
         if self.routing is None:
-            weights, ids = moe.gate(x)
+            weights, ids = moe.gate(x, input_ids)
         else:
+            token_ids = self.token_ids(x, input_ids)
             logits = fixed_linear(x.float(), moe.gate.weight.float())
-            weights, ids = moe_route(logits, **self.routing)
+            weights, ids = moe_route(logits, **self.routing, **token_ids)
         if moe.routing_recorder is not None:
             moe.routing_recorder.record(moe.layer_index, ids, moe.experts.bytes_per_expert())
         if self.uses_kernels(x) and x.shape[0]:
@@ -147,6 +164,7 @@ class CudaMoeOps(MoeOps):
             out = fused_moe(
                 x, fused.w13, fused.w2, weights, ids, fused.fmt, fused.w13_scale, fused.w2_scale,
                 config=fixed_config(fused.fmt), out_dtype=torch.float32, ordered_combine=True,
+                swiglu_limit=self.swiglu_limit,
             )  # fmt: skip
         else:
             out = self.routed_experts(moe.experts, x, weights, ids)
@@ -154,17 +172,20 @@ class CudaMoeOps(MoeOps):
             out = out + moe.shared_experts(x)
         return out
 
-    def route(self, moe, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def route(
+        self, moe, x: torch.Tensor, input_ids: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
         """x [T, D] -> (weights [T, K] float32, ids [T, K]) as the router module gives: the
         logits x.float() @ W.float().T in float32."""
         if self.routing is None:
-            return moe.gate(x)
+            return moe.gate(x, input_ids)
         from kernels.triton.moe_router import moe_gate_route, moe_route
 
+        routing = {**self.routing, **self.token_ids(x, input_ids)}
         gate_weight = moe.gate.weight
         if x.shape[0] <= ROUTER_FUSED_MAX_TOKENS:  # one launch: the GEMV inside the router
-            return moe_gate_route(x.contiguous(), gate_weight.contiguous(), **self.routing)
-        return moe_route(F.linear(x.float(), gate_weight).contiguous(), **self.routing)
+            return moe_gate_route(x.contiguous(), gate_weight.contiguous(), **routing)
+        return moe_route(F.linear(x.float(), gate_weight).contiguous(), **routing)
 
     def launch_config(self, x: torch.Tensor) -> dict:
         """The fused kernels' launch config for this step's shape: looked up once, for
@@ -175,9 +196,13 @@ class CudaMoeOps(MoeOps):
         t, d = x.shape
         e = fused.w13.shape[0]
         i = fused.w2.shape[-1] * (2 if fused.fmt == "mxfp4" else 1)
-        return choose_config(t, self.routing_top_k, e, d, i, fused.fmt, x.device)
+        return choose_config(
+            t, self.routing_top_k, e, d, i, fused.fmt, x.device, swiglu_limit=self.swiglu_limit
+        )
 
-    def prologue(self, moe, x: torch.Tensor, config: dict | None):
+    def prologue(
+        self, moe, x: torch.Tensor, config: dict | None, input_ids: torch.Tensor | None = None
+    ):
         """At decode sizes on the fused path: routing, pair grouping, x's int8 quantization
         and the accumulator's zeroing in one launch (kernels/triton/moe_prologue.py), as a
         MoePrologue for fused_moe; else None (the router and fused_moe launch their own)."""
@@ -194,6 +219,7 @@ class CudaMoeOps(MoeOps):
             block_m=config["BLOCK_M"],
             quantize_int8=config.get("KERNEL") == "int8",
             **self.routing,
+            **self.token_ids(x, input_ids),
         )
 
     def routed_experts(self, experts, x, weights, ids, shared=None, prologue=None, config=None):
@@ -219,6 +245,7 @@ class CudaMoeOps(MoeOps):
                 shared_stream=self.stream,
                 prologue=prologue,
                 config=config,
+                swiglu_limit=experts.swiglu_limit,
             )
         if experts.gate_proj.format.name == "unquantized":
             return gathered_experts(experts, x, weights, ids)
@@ -234,13 +261,12 @@ def gathered_experts(experts, x: torch.Tensor, weights: torch.Tensor, ids: torch
     w_up = experts.up_proj.weight[ids]  # [T, K, I, D]
     w_down = experts.down_proj.weight[ids]  # [T, K, D, I]
     xw = x.to(w_gate.dtype)
-    h = F.silu(torch.einsum("td,tkid->tki", xw, w_gate)) * torch.einsum("td,tkid->tki", xw, w_up)
+    gate = torch.einsum("td,tkid->tki", xw, w_gate)  # [T, K, I]
+    h = swiglu(gate, torch.einsum("td,tkid->tki", xw, w_up), experts.swiglu_limit)  # [T, K, I]
     y = torch.einsum("tki,tkdi->tkd", h, w_down)  # [T, K, D]
     return (y.float() * weights[..., None]).sum(dim=1).to(x.dtype)
 
 
 @register("moe", "cuda")
 def cuda_moe_ops(moe, setup: DeviceSetup) -> MoeOps:
-    if CudaMoeOps.unsupported(moe) is not None:
-        return TORCH_MOE
     return CudaMoeOps(moe, setup)
