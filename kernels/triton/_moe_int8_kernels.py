@@ -240,6 +240,7 @@ def moe_gate_up_int8_kernel(
     BLOCK_K: tl.constexpr,  # weights per K step, a multiple of 32
     ASM: tl.constexpr,
     PREFETCH: tl.constexpr = True,  # step k + 1's loads issued before step k's math
+    SWIGLU_LIMIT: tl.constexpr = None,  # the activation's clamp (as the MMA kernels' swiglu)
 ):
     expert, pair = _tile_pair(sorted_pairs_ptr, block_expert_ptr, num_pairs)
     if expert < 0:
@@ -285,7 +286,11 @@ def moe_gate_up_int8_kernel(
             u, us = _load_weights(up_w, up_s, mask_n, k0, K_WORDS, BLOCK_K)
             acc_u = _dot_step(acc_u, u, us, x_lo, x_hi, x_s, BLOCK_K, ASM)
     gate = tl.sum(acc_g, axis=1)  # [BLOCK_N]
-    h = gate * tl.sigmoid(gate) * tl.sum(acc_u, axis=1)
+    up = tl.sum(acc_u, axis=1)  # [BLOCK_N]
+    if SWIGLU_LIMIT is not None:
+        gate = tl.minimum(gate, SWIGLU_LIMIT)
+        up = tl.minimum(tl.maximum(up, -SWIGLU_LIMIT), SWIGLU_LIMIT)
+    h = gate * tl.sigmoid(gate) * up
     # Quantized here for the down kernel: this program holds whole 32-unit blocks.
     words, scale = quantize_int8_words(h[None, :], 1, BLOCK_N)
     offs_q = tl.program_id(1) * (BLOCK_N // 4) + tl.arange(0, BLOCK_N // 4)

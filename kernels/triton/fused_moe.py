@@ -32,9 +32,7 @@ MXFP4 experts also have an int8 path for 1-8 tokens (config "KERNEL": "int8",
 _moe_int8_kernels.py): the codes become exact int8 through a byte-permute table and meet
 the activations, quantized to int8 per 32 (x by one extra launch, h by the gate+up
 epilogue), in dp4a; ~3 instructions per weight against the MMA kernels' ~8.4, where those
-are issue-bound. Only a tuned table entry selects it (the H200's table does at 1-8 tokens),
-and not with a `swiglu_limit`: the int8 epilogue has no clamp, so such a call takes the
-heuristic's MMA config instead.
+are issue-bound. Only a tuned table entry selects it (the H200's table does at 1-8 tokens).
 
 At prefill sizes MXFP4 experts may instead be decoded to bf16 once per call, into a
 scratch the bf16 kernels then read (config "KERNEL": "dequant", with the bf16 kernels'
@@ -263,7 +261,7 @@ def fused_moe(
     top_k = topk_ids.shape[1]
     if t == 0:
         return torch.empty_like(x)
-    cfg = choose_config(t, top_k, e, d, i, fmt, x.device, config, swiglu_limit)
+    cfg = choose_config(t, top_k, e, d, i, fmt, x.device, config)
     if cfg.get("KERNEL") == "dequant":
         assert prologue is None, "a dequant config is for prefill sizes, not the prologue's"
         scratch = 2 * (w13.numel() + w2.numel()) * 2  # bf16, two weights per code byte
@@ -335,7 +333,7 @@ def fused_moe(
                 p, d, i, d // 8,
                 xq.stride(0), xs.stride(0), w13_words.stride(0), w13_words.stride(1), *s13_strides,
                 hq.stride(0), hs.stride(0),
-                TOPK=top_k, **_int8_meta(cfg),
+                TOPK=top_k, SWIGLU_LIMIT=_limit(swiglu_limit), **_int8_meta(cfg),
             )  # fmt: skip
         else:
             moe_gate_up_kernel[(max_blocks, _gate_up_tiles(i, cfg), cfg.get("GU_SPLIT_K", 1))](
@@ -419,28 +417,11 @@ def fixed_config(fmt: str) -> dict:
 
 
 def choose_config(
-    t: int,
-    top_k: int,
-    e: int,
-    d: int,
-    i: int,
-    fmt: str,
-    device,
-    config: dict | None = None,
-    swiglu_limit: float | None = None,
+    t: int, top_k: int, e: int, d: int, i: int, fmt: str, device, config: dict | None = None
 ) -> dict:
     """The launch config of a fused_moe call: `config` if given, else the tuned table's
-    entry for the shape on this device, else the heuristic; checked for the format. With
-    a `swiglu_limit` a tuned int8 entry gives way to the heuristic (the int8 epilogue does
-    not clamp), and a given int8 config is refused."""
-    tuned = None if config else configs.lookup(OP, shape_key(t, top_k, e, d, i, fmt), device)
-    if swiglu_limit is not None:
-        assert not config or config.get("KERNEL") != "int8", (
-            "the int8 kernels do not clamp: no int8 config with a swiglu_limit"
-        )
-        if tuned is not None and tuned.get("KERNEL") == "int8":
-            tuned = None
-    cfg = config or tuned
+    entry for the shape on this device, else the heuristic; checked for the format."""
+    cfg = config or configs.lookup(OP, shape_key(t, top_k, e, d, i, fmt), device)
     cfg = dict(cfg) if cfg is not None else default_config(t * top_k, e, fmt)
     _check_config(cfg, fmt)
     return cfg

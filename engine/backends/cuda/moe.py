@@ -196,9 +196,7 @@ class CudaMoeOps(MoeOps):
         t, d = x.shape
         e = fused.w13.shape[0]
         i = fused.w2.shape[-1] * (2 if fused.fmt == "mxfp4" else 1)
-        return choose_config(
-            t, self.routing_top_k, e, d, i, fused.fmt, x.device, swiglu_limit=self.swiglu_limit
-        )
+        return choose_config(t, self.routing_top_k, e, d, i, fused.fmt, x.device)
 
     def prologue(
         self, moe, x: torch.Tensor, config: dict | None, input_ids: torch.Tensor | None = None
