@@ -113,9 +113,10 @@ def test_post_matches_twin(T, dtype):
     got = hc_post(y, streams, post, comb)
     want = hc_post_reference(y, streams, post, comb)
     assert got.dtype == dtype and got.shape == streams.shape
-    if DEVICE == "cuda":  # the GPU may add the C products in another order: an ulp apart
+    if DEVICE == "cuda":  # the GPU fuses and orders the C products its own way: ulps apart
         ulp = {torch.float32: 2**-23, torch.float16: 2**-10, torch.bfloat16: 2**-7}[dtype]
-        torch.testing.assert_close(got, want, rtol=ulp, atol=ulp)
+        scale = want.float().abs().max().item()
+        torch.testing.assert_close(got, want, rtol=4 * ulp, atol=4 * ulp * scale)
     elif dtype == torch.bfloat16:  # the interpreter truncates each of the three roundings
         torch.testing.assert_close(got, want, rtol=2**-5, atol=2**-5)
     else:  # each rounding where the twin rounds, the sum in the twin's order
@@ -124,9 +125,9 @@ def test_post_matches_twin(T, dtype):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_twin_matches_the_engine_ops(dtype):
-    C, D, T = 4, 64, 9
-    fn, base, scale = _weights(C, D, (2 + C) * C, 3, seed=11)
-    streams = _streams(T, C, D, dtype, seed=12)
+    C, D, T = 4, 64, 9  # two torch forms of the same math: compared on the CPU
+    fn, base, scale = (t.cpu() for t in _weights(C, D, (2 + C) * C, 3, seed=11))
+    streams = _streams(T, C, D, dtype, seed=12).cpu()
     hc = _layer(fn, base, scale, C)
     x, post, comb = TORCH_HYPER_CONNECTION.pre(hc, streams)
     want = hc_pre_reference(streams, fn, base, scale, ITERS, HC_EPS, EPS)
@@ -139,7 +140,7 @@ def test_twin_matches_the_engine_ops(dtype):
         TORCH_HYPER_CONNECTION.post(hc, y, streams, post, comb),
         rtol=1e-6, atol=1e-6,
     )  # fmt: skip
-    head = _layer(*_weights(C, D, C, 1, seed=14), C)
+    head = _layer(*(t.cpu() for t in _weights(C, D, C, 1, seed=14)), C)
     torch.testing.assert_close(
         hc_head_reference(streams, head.fn, head.base, head.scale, HC_EPS, EPS),
         TORCH_HYPER_HEAD.forward(head, streams),
