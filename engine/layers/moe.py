@@ -115,6 +115,7 @@ class DeepseekMoE(nn.Module, DeviceLayer):
     ) -> None:
         super().__init__()
         self.layer_index = layer_index
+        self.prefix = prefix
         self.gate = DeepseekRouter(hidden_size, spec)
         self.experts = RoutedExperts(
             spec.num_experts,
@@ -141,6 +142,19 @@ class DeepseekMoE(nn.Module, DeviceLayer):
 
     def prepare(self, setup: DeviceSetup) -> None:
         self.ops = build("moe", self, setup)
+
+    def process_weights_after_loading(self) -> None:
+        """A hash table naming an expert the layer does not have would make the kernels
+        read past the expert weights: refuse it once, at load, naming the tensor."""
+        table = self.gate.tid2eid
+        if table is None or table.numel() == 0 or table.device.type == "meta":
+            return
+        low, high = int(table.min()), int(table.max())
+        if low < 0 or high >= self.experts.num_experts:
+            raise ValueError(
+                f"tensor {self.prefix}.gate.tid2eid holds expert ids {low}..{high}; this layer "
+                f"has experts 0..{self.experts.num_experts - 1}"
+            )
 
     def forward(self, x: torch.Tensor, input_ids: torch.Tensor | None = None) -> torch.Tensor:
         """x [T, D] -> [T, D]; `input_ids` [T], the step's token ids, is read only by a

@@ -158,6 +158,10 @@ def test_wrong_shape_and_dtype_are_refused_by_name():
     with pytest.raises(CheckpointMismatch, match="layers.0.ffn.gate.tid2eid"):
         model.load_weights(state.items())
     state = _hub_state(hf)
+    state["layers.0.ffn.gate.tid2eid"][7, 1] = hf.config.n_routed_experts
+    with pytest.raises(ValueError, match=r"layers\.0\.ffn\.gate\.tid2eid holds expert ids 0\.\.8"):
+        model.load_weights(state.items())
+    state = _hub_state(hf)
     state["layers.3.attn.attn_sink"] = torch.zeros(5)
     with pytest.raises(CheckpointMismatch, match=r"layers.3.attn.attn_sink.*\(5,\)"):
         model.load_weights(state.items())
