@@ -47,7 +47,7 @@ BATCH_BUCKETS = (1, 2, 4, 8, 16, 32, 64, 128, 256)
 MAIN_STREAM_FIRST_MAX_BATCH = 16
 
 # Rows of DecodeInputs.ints (int64) and .floats (float32).
-INPUT_IDS, POSITIONS, SLOTS, CONTEXT_LENS, SEEDS, STEPS, SRC_ROWS = range(7)
+INPUT_IDS, POSITIONS, SLOTS, CONTEXT_LENS, SEEDS, STEPS, SRC_ROWS, STATE_SLOTS = range(8)
 TEMPERATURE, TOP_P, MIN_P, TOP_K = range(4)
 
 
@@ -80,14 +80,17 @@ class DecodeInputs:
         block_size: int,
         scratch_block: int,
         device: torch.device,
+        scratch_state_slot: int | None = None,
     ) -> None:
         pin = device.type == "cuda"
         self.max_batch, self.max_blocks = max_batch, max_blocks
         self.block_size, self.scratch_block = block_size, scratch_block
-        self.host_ints = torch.zeros(2, 7, max_batch, dtype=torch.int64, pin_memory=pin)
+        # the model's per-sequence state slot no sequence owns (None: the model has none)
+        self.scratch_state_slot = scratch_state_slot
+        self.host_ints = torch.zeros(2, 8, max_batch, dtype=torch.int64, pin_memory=pin)
         self.host_floats = torch.zeros(2, 4, max_batch, dtype=torch.float32, pin_memory=pin)
         self.host_tables = torch.zeros(2, max_batch, max_blocks, dtype=torch.int64, pin_memory=pin)
-        self.ints = torch.zeros(7, max_batch, dtype=torch.int64, device=device)
+        self.ints = torch.zeros(8, max_batch, dtype=torch.int64, device=device)
         self.floats = torch.zeros(4, max_batch, dtype=torch.float32, device=device)
         self.tables = torch.zeros(max_batch, max_blocks, dtype=torch.int64, device=device)
         self.sampled = torch.zeros(max_batch, dtype=torch.int64, device=device)
@@ -134,6 +137,8 @@ class DecodeInputs:
             ints[CONTEXT_LENS, i] = pos + 1
             ints[SEEDS, i] = seq.sample_seed if seq.sample_seed is not None else 0
             ints[STEPS, i] = seq.num_output_tokens
+            if self.scratch_state_slot is not None:
+                ints[STATE_SLOTS, i] = seq.state_slot
             floats[TEMPERATURE, i] = 0.0 if p.greedy else p.temperature
             floats[TOP_P, i] = p.top_p
             floats[MIN_P, i] = p.min_p
@@ -144,6 +149,8 @@ class DecodeInputs:
             ints[SLOTS, n:bucket] = self.scratch_block * bs
             ints[CONTEXT_LENS, n:bucket] = 1
             ints[SRC_ROWS, n:bucket] = -1
+            if self.scratch_state_slot is not None:
+                ints[STATE_SLOTS, n:bucket] = self.scratch_state_slot
             floats[:, n:bucket] = 0.0
             tables[n:bucket, 0] = self.scratch_block
         self.ints.copy_(self.host_ints[k], non_blocking=True)
@@ -159,7 +166,7 @@ class DecodeInputs:
         """The attention metadata of a `bucket`-row decode step, as views of the buffers.
         The host-side context lengths are the worst case, so launch shapes chosen from
         them (the attention kernel's split count) hold for every step of the bucket."""
-        return AttentionContext(
+        ctx = AttentionContext(
             block_size=self.block_size,
             slot_mapping=self.ints[SLOTS, :bucket],
             cu_query_lens=self.cu_query_lens[: bucket + 1],
@@ -169,17 +176,26 @@ class DecodeInputs:
             context_lens_host=[max_model_len] * bucket,
             is_decode=True,
         )
+        if self.scratch_state_slot is not None:
+            # on the device only: a captured step cannot read the host's slot list
+            ctx.state_slots = self.ints[STATE_SLOTS, :bucket]
+        return ctx
 
 
 def decode_graphs_apply(model: nn.Module, device: torch.device) -> bool:
     """Whether `model`'s decode step can be captured: on CUDA, for models whose decode step
-    never syncs the host, those whose attention is MLA (its CUDA decode path reads context
-    lengths on the device). Other families' torch attention sizes its work from host-side
+    never syncs the host: those whose attention is MLA (its CUDA decode path reads context
+    lengths on the device), and DeepSeek-V4 where every attention layer's ops declare
+    `captures_decode`. Other families' torch attention sizes its work from host-side
     lengths, so they stay eager."""
     from engine.layers.mla import MultiLatentAttention
+    from engine.layers.v4_attention import V4Attention
 
     if device.type != "cuda":
         return False
+    v4 = [m for m in model.modules() if isinstance(m, V4Attention)]
+    if v4:  # the device's V4 ops say whether their decode step is free of host syncs
+        return all(getattr(m.ops, "captures_decode", False) for m in v4)
     return any(isinstance(m, MultiLatentAttention) for m in model.modules())
 
 
@@ -201,6 +217,7 @@ class CudaGraphRunner:
         block_size: int,
         scratch_block: int,
         main_stream_first: bool,
+        scratch_state_slot: int | None = None,
     ) -> None:
         if device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -210,7 +227,9 @@ class CudaGraphRunner:
         self.main_stream_first = main_stream_first
         self.buckets = capture_buckets(max_num_seqs)
         max_blocks = -(-max_model_len // block_size)
-        self.inputs = DecodeInputs(self.buckets[-1], max_blocks, block_size, scratch_block, device)
+        self.inputs = DecodeInputs(
+            self.buckets[-1], max_blocks, block_size, scratch_block, device, scratch_state_slot
+        )
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.tokens: dict[int, torch.Tensor] = {}
         self.capture_seconds = 0.0

@@ -73,11 +73,12 @@ class ModelRunner:
         # each layer takes its device's ops (engine/backends: Triton kernels on CUDA)
         prepare_model(self.model, DeviceSetup(self.device, self.dtype, self.max_model_len,
                                               config.cuda, config.batch_invariant))  # fmt: skip
-        num_state_slots = self._allocate_sequence_state()
-        kv_blocks = self._allocate_kv_cache()
         decode_graphs = self._decode_graphs_apply()
-        # The one place the scratch block is decided: the decode graphs' padding rows write
-        # and read the cache's last block, which the block manager never hands out.
+        num_state_slots = self._allocate_sequence_state(scratch=decode_graphs)
+        kv_blocks = self._allocate_kv_cache()
+        # The one place the scratch block (and state slot) is decided: the decode graphs'
+        # padding rows write and read the cache's last block and the last state slot,
+        # which the block manager never hands out.
         self.blocks = BlockManager(kv_blocks, self.block_size, int(decode_graphs), num_state_slots)
         if decode_graphs:  # decode steps replay CUDA graphs (engine/cuda_graph_runner.py)
             from engine.cuda_graph_runner import CudaGraphRunner
@@ -90,6 +91,7 @@ class ModelRunner:
                 block_size=self.block_size,
                 scratch_block=self.blocks.reserved[0],
                 main_stream_first=config.cuda.main_stream_first,
+                scratch_state_slot=num_state_slots if num_state_slots else None,
             )
 
     @property
@@ -134,22 +136,25 @@ class ModelRunner:
         model.load_weights(source.iter_weights())
         return model.eval()
 
-    def _allocate_sequence_state(self) -> int:
+    def _allocate_sequence_state(self, scratch: bool) -> int:
         """The model's fixed per-sequence state (CausalLM.state_specs), one slot for each
-        sequence that can run at once; returns the slot count (0: the model has none)."""
+        sequence that can run at once, plus with `scratch` one more that no sequence owns
+        (the decode graphs' padding rows); returns the sequences' slot count (0: the model
+        has none)."""
         specs = self.model.state_specs()
         slots = self.config.max_num_seqs if specs else 0
+        allocated = slots + int(scratch and slots > 0)
         self.sequence_state = [
-            torch.zeros(slots, *s.shape, dtype=s.dtype or self.dtype, device=self.device)
+            torch.zeros(allocated, *s.shape, dtype=s.dtype or self.dtype, device=self.device)
             for s in specs
         ]
         self.model.bind_state(self.sequence_state)
-        self.state_bytes = slots * sum(s.bytes_per_sequence(self.dtype) for s in specs)
+        self.state_bytes = allocated * sum(s.bytes_per_sequence(self.dtype) for s in specs)
         if specs:
             log.info(
                 "sequence state: %d slots of %.1f MiB",
-                slots,
-                self.state_bytes / max(slots, 1) / 2**20,
+                allocated,
+                self.state_bytes / allocated / 2**20,
             )
         return slots
 

@@ -11,6 +11,7 @@ from engine.cuda_graph_runner import (
     SEEDS,
     SLOTS,
     SRC_ROWS,
+    STATE_SLOTS,
     STEPS,
     TEMPERATURE,
     TOP_K,
@@ -104,3 +105,19 @@ def test_pending_tokens_are_gathered_from_the_previous_steps_rows():
     assert inputs.input_ids(4).tolist() == [4, 42, 0, 0]
     with pytest.raises(ValueError, match="pending"):
         inputs.fill([waiting], 1)
+
+
+def test_fill_gives_each_row_its_state_slot_and_padding_the_scratch_slot():
+    """A model with per-sequence state (DeepSeek-V4): rows carry their sequence's slot, on
+    the device only (a captured step cannot read host lists); padding rows the scratch."""
+    inputs = DecodeInputs(8, 5, 4, 9, torch.device("cpu"), scratch_state_slot=6)
+    params = SamplingParams(temperature=0.0, max_tokens=8)
+    a, b = _seq([1, 2, 3], [4], [7], params), _seq([5, 6], [7], [3], params)
+    a.state_slot, b.state_slot = 2, 0
+    inputs.fill([a, b], 4)
+    assert inputs.ints[STATE_SLOTS, :4].tolist() == [2, 0, 6, 6]
+    ctx = inputs.context(4, 16)
+    assert ctx.state_slots.tolist() == [2, 0, 6, 6] and ctx.state_slots_host is None
+    plain = DecodeInputs(8, 5, 4, 9, torch.device("cpu"))
+    plain.fill([a], 2)
+    assert plain.context(2, 16).state_slots is None
