@@ -27,6 +27,12 @@ from __future__ import annotations
 import torch
 
 from kernels.cpu import batch_invariant
+from kernels.reference.v4_attention import sink_attention
+
+# sink_attention(q [T, H, head_dim], keys [L, head_dim] (the values too), visible [T, L],
+# sinks [H], scale) -> o [T, H, head_dim]: the decode kernel's twin is the oracle here too.
+__all__ = ["apply_rope", "grouped_low_rank", "rope_cos_sin", "sink_attention", "unit_rms",
+           "window_mask"]  # fmt: skip
 
 
 def rope_cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor) -> tuple[torch.Tensor, ...]:
@@ -60,25 +66,6 @@ def window_mask(q_pos: torch.Tensor, k_pos: torch.Tensor, window: int) -> torch.
     the last `window` positions including t's own)."""
     delta = q_pos[:, None] - k_pos[None, :]
     return (delta >= 0) & (delta < window)
-
-
-def sink_attention(
-    q: torch.Tensor,
-    keys: torch.Tensor,
-    visible: torch.Tensor,
-    sinks: torch.Tensor,
-    scale: float,
-) -> torch.Tensor:
-    """q [T, H, head_dim], keys [L, head_dim] (the values too), visible [T, L] bool,
-    sinks [H] -> o [T, H, head_dim]. softmax over the visible keys and the head's sink logit; the sink takes
-    probability and gives nothing. A query that sees no key reads zeros."""
-    scores = torch.einsum("thd,ld->htl", q, keys) * scale  # [H, T, L]
-    scores = scores.masked_fill(~visible[None], float("-inf"))
-    sink = sinks.to(scores.dtype)[:, None, None].expand(-1, q.shape[0], 1)  # [H, T, 1]
-    logits = torch.cat([scores, sink], dim=-1)
-    logits = logits - logits.max(dim=-1, keepdim=True).values
-    probs = torch.softmax(logits, dim=-1)[..., :-1].to(keys.dtype)  # [H, T, L]
-    return torch.einsum("htl,ld->thd", probs, keys)
 
 
 def grouped_low_rank(o: torch.Tensor, wo_a: torch.Tensor) -> torch.Tensor:

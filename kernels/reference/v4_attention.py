@@ -37,9 +37,8 @@ def sink_attention(
 ) -> torch.Tensor:
     """q [T, H, head_dim], keys [L, head_dim] (the values too), visible [T, L] bool, sinks
     [H] -> o [T, H, head_dim]: softmax over the visible keys and the head's sink logit; the
-    sink takes probability and gives nothing. The same arithmetic as
-    engine.ops.v4_attention.sink_attention (kernels cannot import the engine), so fed
-    the same tensors the two agree bit for bit."""
+    sink takes probability and gives nothing; a query that sees no key reads zeros. The
+    engine's torch ops (engine/ops/v4_attention.py) use this one as their oracle too."""
     scores = torch.einsum("thd,ld->htl", q, keys) * scale  # [H, T, L]
     scores = scores.masked_fill(~visible[None], float("-inf"))
     sink = sinks.to(scores.dtype)[:, None, None].expand(-1, q.shape[0], 1)  # [H, T, 1]
