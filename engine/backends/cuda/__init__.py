@@ -12,4 +12,4 @@ The Triton kernels take bf16/fp16 activations. A float32 model (exactness tests)
 the torch code except where it would sync the host (decode attention; experts).
 """
 
-from engine.backends.cuda import hyper_connections, mla, moe, norm_linear  # noqa: F401  (they register)
+from engine.backends.cuda import hyper_connections, mla, moe, norm_linear, v4_attention  # noqa: F401  (they register)
