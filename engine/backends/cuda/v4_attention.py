@@ -134,6 +134,9 @@ def decode_indices(ctx: AttentionContext) -> tuple[torch.Tensor, ...]:
 
 
 class CudaV4AttentionOps(V4AttentionOps):
+    # a decode step reads no host data: the graph runner may capture it
+    captures_decode = True
+
     def __init__(self, attn, setup: DeviceSetup):
         if not attn.compress_ratio:
             self.mode = "sliding"
