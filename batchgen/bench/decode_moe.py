@@ -1,7 +1,7 @@
-"""`batchgen bench decode-moe`: decode throughput of a DeepSeek-V3-family MoE model on a CUDA
-GPU, our engine against transformers' `generate` and against the memory roofline.
+"""`batchgen bench decode-moe`: decode throughput of a DeepSeek MoE model on a CUDA GPU, our
+engine against the memory roofline and (V3 family) transformers' `generate`.
 
-In one process: measure the device copy bandwidth; generate a random checkpoint on the GPU
+V3 (the default `--arch deepseek_v3`), in one process: measure the device copy bandwidth; generate a random checkpoint on the GPU
 (`make_random_checkpoint`, Moonlight-16B-A3B shapes by default) in bf16 and in FP8 dense +
 MXFP4 experts; run our engine at each batch size (prompts of 128 random tokens, 128 new
 tokens, ignore_eos); profile one decode step (kernel launches, host time); then run
@@ -21,6 +21,17 @@ Numbers:
   weights once, the LM head, the expected distinct routed experts per MoE layer for
   uniform routing E(1-(1-k/E)^B), and the KV cache), over the measured copy bandwidth.
 
+`--arch deepseek_v4` (`--preset v4-flash|tiny`, `--layers N`, default 4; `--weights
+fp8-mxfp4|bf16`): the first N layers of DeepSeek-V4 at the preset's shapes, their weights
+drawn on the GPU while the engine loads them (`drawn_v4_model`: no files, so N up to ~20
+fits the H200's memory and a run fits minutes); prompts of 512 random tokens (128 CSA and
+4 HCA entries per sequence at V4-Flash's ratios), 32 new tokens sampled at temperature 1.0.
+Per batch: tok/s, each layer's time in the decode step (CUDA events around it) against the
+bytes it must read (batchgen/bench/v4_roofline.py) over the copy bandwidth, and the same
+figures for the preset's whole layer count, extrapolated from the measured layers by kind
+(`extrapolated`); per run: kernel launches per decode step at batch 1 and whether decode
+steps replayed CUDA graphs (`cuda_graphs`). No transformers comparison.
+
 Run on the GPU machine as `python -m batchgen.bench.decode_moe` (needs torch, triton,
 transformers, click; not the pipeline's polars/pydantic).
 """
@@ -28,16 +39,20 @@ transformers, click; not the pipeline's polars/pydantic).
 from __future__ import annotations
 
 import collections
+import functools
 import gc
+import json
 import shutil
 import statistics
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import click
 import torch
 
 from batchgen.bench.common import write_result
+from batchgen.bench.v4_roofline import DecodeReads, extrapolate_step_ms
 from engine.config import FP8_NATIVE_MIN_TOKENS
 
 WEIGHTS = {"bf16": ("bf16", "bf16"), "fp8-mxfp4": ("fp8", "mxfp4")}
@@ -80,14 +95,23 @@ def _top_k(model) -> int:
 # -- our engine ---------------------------------------------------------------------------
 def random_prompts(batch: int, length: int, vocab: int, seed: int) -> list[list[int]]:
     gen = torch.Generator().manual_seed(seed)
-    # Ids 258+ avoid the byte tokenizer's special and low ids; any id is a valid input.
-    return torch.randint(258, vocab, (batch, length), generator=gen).tolist()
+    # Ids 258+ avoid the byte tokenizer's special and low ids; any id is a valid input. A
+    # vocabulary of the tokenizer's 258 alone (V4's tiny preset) takes the 256 bytes.
+    low, high = (258, vocab) if vocab > 258 else (0, min(vocab, 256))
+    return torch.randint(low, high, (batch, length), generator=gen).tolist()
 
 
 def run_engine_batch(
-    llm, batch: int, prompt_len: int, new_tokens: int, vocab: int, sampling: dict | None = None
+    llm,
+    batch: int,
+    prompt_len: int,
+    new_tokens: int,
+    vocab: int,
+    sampling: dict | None = None,
+    clock: LayerClock | None = None,
 ) -> dict:
-    """`sampling`: SamplingParams fields of the measured requests (default greedy)."""
+    """`sampling`: SamplingParams fields of the measured requests (default greedy); `clock`
+    times the layers of the measured decode steps."""
     from engine.sampling_params import SamplingParams
 
     engine = llm.engine
@@ -110,6 +134,8 @@ def run_engine_batch(
     while engine.has_unfinished():
         running = list(engine.scheduler.running)  # the step finishes sequences in place
         decode = not engine.scheduler.waiting and all(s.num_computed == len(s) - 1 for s in running)
+        if clock is not None:
+            clock.on = decode and bool(running)
         t0 = time.perf_counter()
         done += len(engine.step())
         if decode and running:
@@ -117,6 +143,8 @@ def run_engine_batch(
         elif not decode:
             prefill_s += time.perf_counter() - t0
     total = time.perf_counter() - start
+    if clock is not None:
+        clock.on = False
     if done != batch:
         raise RuntimeError(f"batch {batch}: {done} requests finished, expected {batch}")
     ms = 1e3 * statistics.median(decode_s)
@@ -401,6 +429,12 @@ def kernel_timeline(kernels, steps: int, count: int = 30) -> list[list]:
     ]  # fmt: skip
 
 
+def profile_tokens(modes: tuple[str, ...]) -> int:
+    """Tokens each request of profile_decode_step asks for: the prefill's, 3 steps, then
+    per mode 1 + 5 + 10 steps, and a few to spare."""
+    return 8 + 16 * len(modes)
+
+
 def profile_decode_step(
     llm, prompt_len: int, vocab: int, batch: int = 1, modes: tuple[str, ...] = ("graph", "eager")
 ) -> dict:
@@ -411,7 +445,7 @@ def profile_decode_step(
     from engine.sampling_params import SamplingParams
 
     engine, runner = llm.engine, llm.engine.runner
-    params = SamplingParams(temperature=0.0, max_tokens=64, ignore_eos=True)
+    params = SamplingParams(temperature=0.0, max_tokens=profile_tokens(modes), ignore_eos=True)
     for i, prompt in enumerate(random_prompts(batch, prompt_len, vocab, seed=7)):
         engine.add_request(f"profile-{i}", prompt, params)
     while any(s.num_computed < len(s) - 1 for s in engine.scheduler.running) or (
@@ -426,10 +460,11 @@ def profile_decode_step(
         runner.graphs = graphs if mode == "graph" else None
         engine.step()  # warm
         steps = 5
-        with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        cuda = [ProfilerActivity.CUDA] if torch.cuda.is_available() else []
+        with profile(activities=[ProfilerActivity.CPU, *cuda]) as prof:
             for _ in range(steps):
                 engine.step()
-        torch.cuda.synchronize()
+        _sync()
         events = prof.events()
         kernels = [e for e in events if e.device_type == torch.autograd.DeviceType.CUDA]
         launches = [e for e in events if e.name in ("cudaLaunchKernel", "cuLaunchKernel")]
@@ -708,6 +743,385 @@ def run(
     return payload
 
 
+# -- DeepSeek-V4 --------------------------------------------------------------------------
+DRAWN_MARKER = "batchgen_drawn_v4.json"
+_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+# decode steps timed layer by layer when decode steps replay graphs (hooks see no replay)
+EAGER_TIMING_TOKENS = 5
+# random weights: sampling at 1.0 keeps the decoded ids varied, as text's are (hash layers
+# route by the token id)
+V4_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "seed": 0}
+
+
+def drawn_v4_model(
+    workdir: Path, preset: str, layers: int | None, weights: str, seed: int, device: torch.device
+) -> Path:
+    """A model directory whose weights are drawn on `device` while the engine loads them:
+    the tensors `make_random_v4_checkpoint` writes (seeded by name, so equal to that
+    checkpoint's), with no safetensors written and read back, which at v4-flash shapes is
+    ~3.6 GB a layer (13 GB in bf16) of disk and of copies each way. The directory holds
+    the drawing's recipe, the tokenizer and generation_config.json."""
+    from engine.checkpoint_files import write_generation_config, write_tokenizer
+    from engine.deepseek_v4_checkpoint import plan
+
+    dense, experts = WEIGHTS[weights]
+    config, _ = plan(preset, layers, dense, experts, mtp=False)
+    out = workdir / f"v4-{preset}-{weights}-{config['num_hidden_layers']}l-drawn"
+    shutil.rmtree(out, ignore_errors=True)
+    out.mkdir(parents=True)
+    recipe = {"preset": preset, "layers": layers, "dense_dtype": dense, "expert_dtype": experts,
+              "seed": seed, "device": str(device)}  # fmt: skip
+    (out / DRAWN_MARKER).write_text(json.dumps(recipe, indent=2) + "\n")
+    write_generation_config(out)
+    write_tokenizer(out, config["max_position_embeddings"])
+    _register_drawn_format()
+    return out
+
+
+def _register_drawn_format() -> None:
+    from engine.loader.model_source import SourceFormat, register_format
+
+    register_format(
+        SourceFormat(
+            name="drawn-deepseek-v4",
+            title="DeepSeek-V4 drawn at load",
+            opener=lambda name, path, dtype, device: _open_drawn(name, path, dtype),
+            marker=DRAWN_MARKER,
+        )
+    )
+
+
+def _open_drawn(name: str, path: Path, dtype: torch.dtype | None):
+    from engine.deepseek_v4_checkpoint import _tensors, plan
+    from engine.loader.model_source import ModelSource
+    from engine.loader.quant_methods import quant_config_from_hf
+    from engine.models.deepseek_v4_config import DeepseekV4ModelConfig
+    from engine.tokenizer import Tokenizer
+
+    recipe = json.loads((path / DRAWN_MARKER).read_text())
+    config, specs = plan(recipe["preset"], recipe["layers"], recipe["dense_dtype"],
+                         recipe["expert_dtype"], mtp=False)  # fmt: skip
+    cfg = DeepseekV4ModelConfig.from_dict(config)
+    device = torch.device(recipe["device"])
+
+    def stream():
+        # as the safetensors source: an explicit dtype converts the stored float tensors
+        for tensor_name, tensor in _tensors(cfg, specs, recipe["seed"], device):
+            if dtype is not None and tensor.dtype in _FLOAT_DTYPES:
+                tensor = tensor.to(dtype)
+            yield tensor_name, tensor
+
+    return ModelSource(
+        name=name,
+        path=path,
+        config=config,
+        quant_config=quant_config_from_hf(config, str(path / DRAWN_MARKER)),
+        weight_stream=stream,
+        tokenizer_loader=lambda: Tokenizer.from_dir(path),
+        format="drawn",
+    )
+
+
+class LayerClock:
+    """The time of each decoder layer's forward in the steps run while `on`: CUDA events
+    recorded before and after it on a GPU (the stream's time from the layer's first launch
+    to its last kernel's end, host gaps included, as the step spends it), the host clock on
+    the CPU."""
+
+    def __init__(self, layers, device: torch.device) -> None:
+        self.layers, self.cuda = list(layers), device.type == "cuda"
+        self.on = False
+        self.marks: list[list[list]] = [[] for _ in self.layers]  # per layer: [start, end]s
+        self._handles: list = []
+
+    def __enter__(self) -> LayerClock:
+        for i, layer in enumerate(self.layers):
+            start, end = functools.partial(self._start, i), functools.partial(self._end, i)
+            self._handles += [
+                layer.register_forward_pre_hook(start),
+                layer.register_forward_hook(end),
+            ]
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+
+    def _start(self, layer: int, *_hook_args) -> None:
+        if self.on:
+            self.marks[layer].append([self._now(), None])
+
+    def _end(self, layer: int, *_hook_args) -> None:
+        if self.on and self.marks[layer]:
+            self.marks[layer][-1][1] = self._now()
+
+    def _now(self):
+        if not self.cuda:
+            return time.perf_counter()
+        event = torch.cuda.Event(enable_timing=True)
+        event.record()
+        return event
+
+    def ms(self) -> list[float] | None:
+        """Per layer, the median ms of its timed calls (None: a layer has none)."""
+        _sync()
+        per_layer = [
+            [start.elapsed_time(end) if self.cuda else 1e3 * (end - start)
+             for start, end in marks if end is not None]
+            for marks in self.marks
+        ]  # fmt: skip
+        if not all(per_layer):
+            return None
+        return [statistics.median(times) for times in per_layer]
+
+
+def v4_layer_ms(
+    llm, batch: int, prompt_len: int, new_tokens: int, vocab: int, sampling: dict
+) -> tuple[dict, list[float], float, str]:
+    """Decode figures of `batch` sequences, each layer's ms in eager decode steps, the
+    median ms of those steps, and where the layers were timed. When decode steps replay
+    CUDA graphs (which hooks do not see), the layers are timed in separate eager steps."""
+    runner = llm.engine.runner
+    with LayerClock(runner.model.layers, runner.device) as clock:
+        if runner.graphs is None:
+            r = run_engine_batch(llm, batch, prompt_len, new_tokens, vocab, sampling, clock)
+            eager, where = r, "the measured decode steps (eager)"
+        else:
+            r = run_engine_batch(llm, batch, prompt_len, new_tokens, vocab, sampling)
+            graphs, runner.graphs = runner.graphs, None
+            try:
+                eager = run_engine_batch(
+                    llm, batch, prompt_len, EAGER_TIMING_TOKENS, vocab, sampling, clock
+                )
+            finally:
+                runner.graphs = graphs
+            where = "separate eager decode steps (the measured ones replay CUDA graphs)"
+        layer_ms = clock.ms()
+    if layer_ms is None:
+        raise RuntimeError(f"batch {batch}: no decode step ran through every layer")
+    return r, layer_ms, eager["ms_per_step"], where
+
+
+def device_copy_bandwidth(device: torch.device) -> float:
+    """Bytes/s read plus written by a device-to-device copy (the roofline's bandwidth); on
+    the CPU a host-timed 64 MiB copy."""
+    if device.type == "cuda":
+        from kernels.tune.timing import copy_bandwidth
+
+        return copy_bandwidth(device)
+    src = torch.ones(64 << 20, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    seconds = []
+    for _ in range(5):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        seconds.append(time.perf_counter() - t0)
+    return 2 * src.numel() / statistics.median(seconds)
+
+
+def v4_batch_row(
+    r: dict, timing: tuple[list[float], float, str], batch: int, mean_context: int,
+    copy_bps: float, reads: DecodeReads, full_reads: DecodeReads,
+) -> dict:  # fmt: skip
+    """One batch's figures for the measured model (`reads`) and, extrapolated, for the
+    whole one (`full_reads`); `timing` is v4_layer_ms's layer ms, eager step ms and where."""
+    layer_ms, eager_step_ms, where = timing
+    step = reads.step(batch, mean_context)
+    full = full_reads.step(batch, mean_context)
+    full_cfg = full_reads.cfg
+    layers = []
+    for layer, ms, counted in zip(reads.layers, layer_ms, step["layers"], strict=True):
+        roof_ms = 1e3 * counted["total"] / copy_bps
+        layers.append({"layer": layer.index, "kind": layer.kind, "hash_routing": layer.hash_routing,
+                       "ms": ms, "bytes": counted["total"], "bytes_parts": counted["parts"],
+                       "roofline_ms": roof_ms, "roofline_frac": roof_ms / ms})  # fmt: skip
+    measured = [
+        ((la.compress_ratio, la.hash_routing), ms) for la, ms in zip(reads.layers, layer_ms)
+    ]
+    kinds = [(full_cfg.compress_ratios[i], full_cfg.is_hash_layer(i))
+             for i in range(full_cfg.num_hidden_layers)]  # fmt: skip
+    full_ms, sources = extrapolate_step_ms(r["ms_per_step"], eager_step_ms, measured, kinds)
+    roof_tok_s = batch / (step["total"] / copy_bps)
+    full_roof_tok_s = batch / (full["total"] / copy_bps)
+    full_tok_s = batch / (full_ms * 1e-3)
+    return {
+        "engine": "batchgen",
+        "arch": "deepseek_v4",
+        "batch": batch,
+        **r,
+        "layers": layers,
+        "layers_timed_in": where,
+        "layers_ms": sum(layer_ms),
+        # the eager step's time outside the layers: embedding, head, sampling, host work
+        "eager_step_ms": eager_step_ms,
+        "rest_ms": eager_step_ms - sum(layer_ms),
+        "bytes_per_step": step["total"],
+        "bytes_parts": step["parts"],
+        "roofline_tok_s": roof_tok_s,
+        "roofline_frac": r["tok_s"] / roof_tok_s,
+        "extrapolated": {
+            "extrapolated": True,
+            "layers": full_cfg.num_hidden_layers,
+            "how": "ms_per_step x (rest_ms + each layer's ms by kind, layer_ms_from) / "
+            "eager_step_ms; bytes counted for every layer",
+            "ms_per_step": full_ms,
+            "tok_s": full_tok_s,
+            "layer_ms_from": sources,
+            "bytes_per_step": full["total"],
+            "bytes_parts": full["parts"],
+            "roofline_tok_s": full_roof_tok_s,
+            "roofline_frac": full_tok_s / full_roof_tok_s,
+        },
+    }
+
+
+def bench_v4(
+    path: Path, weights: str, batches: tuple[int, ...], prompt_len: int, new_tokens: int,
+    copy_bps: float, reads: DecodeReads, full_reads: DecodeReads, device: torch.device,
+    dtype: str, engine_options: dict, sampling: dict, info: dict, on_row: Callable[[dict], None],
+) -> None:  # fmt: skip
+    """Load the drawn model at `path` and measure each batch, handing each row to `on_row`
+    as it is measured; `info` (the run's engine_info entry) is filled as it goes."""
+    from engine.llm import LLM
+
+    t0 = time.perf_counter()
+    llm = LLM(
+        str(path),
+        device=device.type,
+        dtype=dtype,
+        max_num_seqs=max(batches),
+        max_num_batched_tokens=16384,
+        max_model_len=prompt_len + max(new_tokens, profile_tokens(("graph", "eager"))) + 16,
+        **engine_options,
+    )
+    runner = llm.engine.runner
+    model = runner.model
+    info |= {
+        "load_s": time.perf_counter() - t0,
+        "weights_source": "drawn on the device while loading (no files)",
+        "kv_blocks": runner.num_blocks,
+        "weight_gb": sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9,
+        "cuda_graphs": runner.graphs is not None,
+        "async_scheduling": llm.engine.async_scheduling,
+    }
+    log(f"v4 {weights}: engine up in {info['load_s']:.1f} s ({info})")
+    info["layer_bytes"] = [
+        {"layer": la.index, "kind": la.kind, "hash_routing": la.hash_routing,
+         "hub_bytes": la.total, "expert_bytes": la.expert_bytes,
+         "engine_param_bytes": sum(p.numel() * p.element_size()
+                                   for p in model.layers[la.index].parameters())}
+        for la in reads.layers
+    ]  # fmt: skip
+    vocab = int(reads.cfg.vocab_size)
+    mean_context = prompt_len + new_tokens // 2
+    for batch in batches:
+        r, *timing = v4_layer_ms(llm, batch, prompt_len, new_tokens, vocab, sampling)
+        row = {"weights": weights,
+               **v4_batch_row(r, timing, batch, mean_context, copy_bps, reads, full_reads)}  # fmt: skip
+        on_row(row)
+        ext = row["extrapolated"]
+        log(
+            f"v4 {weights} batch {batch}: {r['tok_s']:.1f} tok/s, {r['ms_per_step']:.2f} ms/step "
+            f"(layers {row['layers_ms']:.2f} ms, {row['roofline_frac']:.1%} of roofline); "
+            f"{ext['layers']} layers (extrapolated): {ext['tok_s']:.1f} tok/s, "
+            f"{ext['roofline_frac']:.1%} of roofline"
+        )
+    modes = ("graph", "eager") if runner.graphs is not None else ("eager",)
+    profile = profile_decode_step(llm, prompt_len, vocab, batch=1, modes=modes)
+    info["profile_batch1"] = profile
+    info["launches_per_step_batch1"] = {
+        m: {
+            "host_kernel_launches": profile[m]["host_kernel_launches_per_step"],
+            "device_kernels": profile[m]["device_kernels_per_step"],
+            "graph_launches": profile[m]["graph_launches_per_step"],
+        }
+        for m in modes
+    }
+    log(f"v4 {weights}: launches per decode step at batch 1 {info['launches_per_step_batch1']}")
+    del llm, runner, model
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.empty_cache()
+
+
+def run_v4(
+    preset: str,
+    layers: int | None,
+    weights: tuple[str, ...],
+    batches: tuple[int, ...],
+    prompt_len: int,
+    new_tokens: int,
+    workdir: Path,
+    name: str,
+    engine_options: dict | None = None,
+    sampling: dict | None = None,
+    device: str = "cuda",
+    dtype: str = "bfloat16",
+) -> dict:
+    """The V4 benchmark (module docstring); returns what it writes to <name>.json.
+    `sampling`: SamplingParams fields of the measured requests (default V4_SAMPLING)."""
+    from engine.deepseek_v4_checkpoint import plan
+    from engine.models.deepseek_v4_config import DeepseekV4ModelConfig
+
+    dev = torch.device(device)
+    copy_bps = device_copy_bandwidth(dev)
+    log(f"copy bandwidth {copy_bps / 1e12:.2f} TB/s")
+    sampling = sampling or V4_SAMPLING
+    payload: dict = {
+        "arch": "deepseek_v4",
+        "preset": preset,
+        "copy_tb_s": copy_bps / 1e12,
+        "prompt_tokens": prompt_len,
+        "new_tokens": new_tokens,
+        "mean_context": prompt_len + new_tokens // 2,
+        "sampling": sampling,
+        "engine_options": engine_options or {},
+        "results": [],
+        "engine_info": {},
+    }
+    for w in weights:
+        dense, experts = WEIGHTS[w]
+        cfg = DeepseekV4ModelConfig.from_dict(plan(preset, layers, dense, experts, mtp=False)[0])
+        full_cfg = DeepseekV4ModelConfig.from_dict(plan(preset, None, dense, experts, mtp=False)[0])
+        payload["layers"] = cfg.num_hidden_layers
+        payload["full_layers"] = full_cfg.num_hidden_layers
+        payload["compressed_entries_per_prompt"] = {
+            f"ratio {m}": prompt_len // m for m in sorted(set(cfg.compress_ratios) - {0})
+        }
+        path = drawn_v4_model(workdir, preset, layers, w, seed=0, device=dev)
+        info = payload["engine_info"][w] = {}
+
+        def add_row(row: dict, info: dict = info) -> None:
+            payload["results"].append(row)
+            payload["cuda_graphs"] = info["cuda_graphs"]
+            write_result(name, payload)  # after each batch, so a cut-off run keeps its numbers
+
+        bench_v4(path, w, batches, prompt_len, new_tokens, copy_bps, DecodeReads(cfg),
+                 DecodeReads(full_cfg), dev, dtype, engine_options or {}, sampling, info, add_row)  # fmt: skip
+        shutil.rmtree(path, ignore_errors=True)
+    path = write_result(name, payload)
+    print_v4_tables(payload)
+    log(f"wrote {path}")
+    return payload
+
+
+def print_v4_tables(payload: dict) -> None:
+    full = payload["full_layers"]
+    print(f"{'weights':<11}{'batch':>6}{'tok/s':>10}{'ms/step':>9}{'roofline':>9}"
+          f"{f'tok/s {full}L*':>13}{f'roofline {full}L*':>15}")  # fmt: skip
+    for r in payload["results"]:
+        ext = r["extrapolated"]
+        print(f"{r['weights']:<11}{r['batch']:>6}{r['tok_s']:>10.1f}{r['ms_per_step']:>9.2f}"
+              f"{r['roofline_frac']:>9.1%}{ext['tok_s']:>13.1f}{ext['roofline_frac']:>15.1%}")  # fmt: skip
+    print(f"* extrapolated from the {payload['layers']} measured layers by kind")
+    print(f"{'weights':<11}{'batch':>6}{'layer':>6}{'kind':>8}{'ms':>8}{'MB':>9}{'roofline':>9}")
+    for r in payload["results"]:
+        for la in r["layers"]:
+            print(f"{r['weights']:<11}{r['batch']:>6}{la['layer']:>6}{la['kind']:>8}"
+                  f"{la['ms']:>8.3f}{la['bytes'] / 1e6:>9.1f}{la['roofline_frac']:>9.1%}")  # fmt: skip
+
+
 def _ints(text: str) -> tuple[int, ...]:
     try:
         return tuple(int(x) for x in text.split(",") if x.strip())
@@ -715,32 +1129,42 @@ def _ints(text: str) -> tuple[int, ...]:
         raise click.BadParameter(f"expected comma-separated integers, got {text!r}") from None
 
 
+# Per arch, the options left unset on the command line.
+ARCH_DEFAULTS = {
+    "deepseek_v3": {"preset": "moonlight-16b-a3b", "layers": None, "weights": "bf16,fp8-mxfp4",
+                    "hf_batches": ",".join(map(str, HF_BATCHES)), "prompt_len": 128,
+                    "new_tokens": 128, "temperature": 0.0, "name": "decode-h200-moonlight"},
+    "deepseek_v4": {"preset": "v4-flash", "layers": 4, "weights": "fp8-mxfp4", "hf_batches": "",
+                    "prompt_len": 512, "new_tokens": 32, "temperature": 1.0, "name": None},
+}  # fmt: skip
+
+
 @click.command("decode-moe")
-@click.option("--preset", default="moonlight-16b-a3b", show_default=True)
-@click.option("--layers", type=int, default=None, help="Fewer layers at real shapes.")
-@click.option(
-    "--weights",
-    default="bf16,fp8-mxfp4",
-    show_default=True,
-    help=f"Comma-separated, of {sorted(WEIGHTS)}.",
-)
+@click.option("--arch", type=click.Choice(sorted(ARCH_DEFAULTS)), default="deepseek_v3",
+              show_default=True, help="deepseek_v4: the V4 benchmark (module docstring).")  # fmt: skip
+@click.option("--preset", default=None,
+              help="Default moonlight-16b-a3b (V3), v4-flash (V4; also tiny).")  # fmt: skip
+@click.option("--layers", type=int, default=None,
+              help="Fewer layers at real shapes (V3 default all, V4 default 4).")  # fmt: skip
+@click.option("--weights", default=None,
+              help=f"Comma-separated, of {sorted(WEIGHTS)} (default bf16,fp8-mxfp4 for V3, "
+                   "fp8-mxfp4 for V4).")  # fmt: skip
 @click.option("--batches", default=",".join(map(str, ENGINE_BATCHES)), show_default=True)
-@click.option(
-    "--hf-batches",
-    default=",".join(map(str, HF_BATCHES)),
-    show_default=True,
-    help="transformers batch sizes; empty to skip transformers.",
-)
-@click.option("--prompt-len", type=int, default=128, show_default=True)
-@click.option("--new-tokens", type=int, default=128, show_default=True)
+@click.option("--hf-batches", default=None,
+              help="transformers batch sizes (V3 only; default 1,32,128); empty to skip.")  # fmt: skip
+@click.option("--prompt-len", type=int, default=None,
+              help="Prompt tokens (default 128 for V3, 512 for V4).")  # fmt: skip
+@click.option("--new-tokens", type=int, default=None,
+              help="New tokens per request (default 128 for V3, 32 for V4).")  # fmt: skip
 @click.option(
     "--workdir",
     type=click.Path(path_type=Path),
     default=Path("/tmp/batchgen-bench"),
     show_default=True,
-    help="Where the random checkpoints are written.",
+    help="Where the random checkpoints (V4: the drawn model's recipe) are written.",
 )
-@click.option("--name", default="decode-h200-moonlight", show_default=True, help="JSON name.")
+@click.option("--name", default=None,
+              help="JSON name (default decode-h200-moonlight; V4 decode-h200-v4-<preset>-<N>l).")  # fmt: skip
 @click.option("--fp8-native-min-tokens", type=int, default=FP8_NATIVE_MIN_TOKENS, show_default=True,
               help="Dense FP8 linears multiply in FP8 from this many tokens (0: never).")  # fmt: skip
 @click.option("--shared-expert-stream/--one-stream", default=True, show_default=True,
@@ -762,21 +1186,44 @@ def _ints(text: str) -> tuple[int, ...]:
                    "tokens do not depend on its batch (docs/batch-invariance.md).")  # fmt: skip
 @click.option("--fold-input-norm/--no-fold-input-norm", default=True, show_default=True,
               help="DeepSeek layers' input RMSNorm inside the FP8 q/kv_a GEMV (1-8 tokens).")  # fmt: skip
-@click.option("--temperature", type=float, default=0.0, show_default=True,
-              help="Our engine's requests: 0 is greedy (transformers stays greedy).")  # fmt: skip
+@click.option("--temperature", type=float, default=None,
+              help="Our engine's requests: 0 is greedy (default 0 for V3, transformers stays "
+                   "greedy; 1.0 for V4's random weights).")  # fmt: skip
 @click.option("--top-p", type=float, default=1.0, show_default=True)
-def command(preset, layers, weights, batches, hf_batches, prompt_len, new_tokens, workdir, name,
-            temperature, top_p, **engine_options):  # fmt: skip
-    """Decode tok/s of a DeepSeek-V3-family MoE on the GPU vs transformers and the roofline."""
-    chosen = tuple(w.strip() for w in weights.split(",") if w.strip())
+def command(arch, preset, layers, weights, batches, hf_batches, prompt_len, new_tokens, workdir,
+            name, temperature, top_p, **engine_options):  # fmt: skip
+    """Decode tok/s of a DeepSeek MoE on the GPU vs the roofline (V3: and vs transformers)."""
+    given = {"preset": preset, "layers": layers, "weights": weights, "hf_batches": hf_batches,
+             "prompt_len": prompt_len, "new_tokens": new_tokens, "temperature": temperature,
+             "name": name}  # fmt: skip
+    o = {k: ARCH_DEFAULTS[arch][k] if v is None else v for k, v in given.items()}
+    chosen = tuple(w.strip() for w in o["weights"].split(",") if w.strip())
     unknown = [w for w in chosen if w not in WEIGHTS]
     if unknown:
         raise click.BadParameter(f"unknown weights {unknown}; choose from {sorted(WEIGHTS)}")
     # every other option is an LLM keyword argument, under its own name
     engine_options["fp8_native_min_tokens"] = engine_options["fp8_native_min_tokens"] or None
-    run(preset, layers, chosen, _ints(batches), _ints(hf_batches), prompt_len, new_tokens,
-        workdir, name, engine_options,
-        {"temperature": temperature, "top_p": top_p, "seed": 0} if temperature > 0 else None)  # fmt: skip
+    sampling = None
+    if o["temperature"] > 0:
+        sampling = {"temperature": o["temperature"], "top_p": top_p, "seed": 0}
+    if arch == "deepseek_v3":
+        run(o["preset"], o["layers"], chosen, _ints(batches), _ints(o["hf_batches"]),
+            o["prompt_len"], o["new_tokens"], workdir, o["name"], engine_options, sampling)  # fmt: skip
+        return
+    if _ints(o["hf_batches"]):
+        raise click.BadParameter("--hf-batches: the transformers comparison is V3's only")
+    from engine.deepseek_v4_checkpoint import plan
+
+    try:
+        config, _ = plan(o["preset"], o["layers"], *WEIGHTS[chosen[0]], mtp=False)
+    except ValueError as err:
+        raise click.BadParameter(str(err)) from None
+    if not torch.cuda.is_available():
+        raise click.UsageError("bench decode-moe needs a CUDA GPU")
+    n = config["num_hidden_layers"]
+    run_v4(o["preset"], o["layers"], chosen, _ints(batches), o["prompt_len"], o["new_tokens"],
+           workdir, o["name"] or f"decode-h200-v4-{o['preset']}-{n}l", engine_options,
+           sampling or {"temperature": 0.0})  # fmt: skip
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import batchgen.bench as bench_pkg
 
 def _modules() -> dict[str, str]:
     """Command name -> module name, for every bench module that is not a helper."""
-    helpers = {"common", "tiny_llama"}
+    helpers = {"common", "tiny_llama", "v4_roofline"}
     return {
         info.name.replace("_", "-"): info.name
         for info in pkgutil.iter_modules(bench_pkg.__path__)
