@@ -27,6 +27,7 @@ BENCHMARKS = {
     "pipeline-memory",
     "routing",
     "step-tune",
+    "v4-kernels",
 }
 
 
