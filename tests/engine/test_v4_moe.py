@@ -220,7 +220,8 @@ def test_cuda_ops_compute_every_v4_layer_as_transformers(layer, limit, invariant
     # id with the clamp, equal to transformers' float32 block
     cfg = hf_config()
     block = random_hf_block(cfg, layer, 0)
-    moe = engine_block(cfg, layer, block, limit)
+    device = "cuda" if torch.cuda.is_available() else "cpu"  # else the interpreter
+    moe = engine_block(cfg, layer, block, limit).to(device)
     moe.ops = cuda_ops(moe, cuda_setup(batch_invariant=invariant))
     monkeypatch.setattr(moe.gate, "forward", _no_torch_router)
     x, tokens = inputs(5)
@@ -228,7 +229,7 @@ def test_cuda_ops_compute_every_v4_layer_as_transformers(layer, limit, invariant
     ref_block = random_hf_block(cfg_limit, layer, 0)
     with torch.no_grad():
         ref = ref_block(x[None], tokens[None])[0]
-        out = moe(x, tokens)
+        out = moe(x.to(device), tokens.to(device)).cpu()
     torch.testing.assert_close(out.float(), ref, rtol=1e-5, atol=1e-5)
 
 
