@@ -23,7 +23,8 @@ Decode state (bound by the model; the ops read and write it):
 - `ring` [slots, ring_size, head_dim]: a sequence's last keys, position p at p % ring_size.
 - `entries` [num_blocks, block_size // m, head_dim]: committed compressed entries, paged
   like the latent cache (entry w in the sequence's block w * m // block_size).
-- `pool_state` [slots, 2, R, W] float32: the pooling rows of the windows being compressed.
+- `pool_state` [slots, 2, R, W] float32: the pooling rows of the windows being compressed
+  (R + the speculative lookahead rows, engine/ops/v4_compress.py).
 - CSA only: `index_keys` [num_blocks, block_size // 4, index_head_dim] and
   `index_pool_state` [slots, 2, 8, 2 * index_head_dim] for the indexer's compressor.
 """
@@ -193,12 +194,15 @@ class V4Attention(nn.Module, DeviceLayer):
             shapes.append(((self.indexer.head_dim,), self.indexer.ratio))
         return shapes
 
-    def state_shapes(self, ring_size: int) -> list[tuple[tuple[int, ...], bool]]:
+    def state_shapes(
+        self, ring_size: int, lookahead: int = 0
+    ) -> list[tuple[tuple[int, ...], bool]]:
         """(shape, float32?) of each per-sequence state: the window ring (model dtype),
-        then the pooling states (float32) of the compressor and the indexer's."""
+        then the pooling states (float32) of the compressor and the indexer's, with
+        `lookahead` rows more for the drafts a speculative step writes."""
         shapes = [((ring_size, self.head_dim), False)]
         for comp in self._compressors():
-            rows = state_rows(comp.ratio, comp.overlap)
+            rows = state_rows(comp.ratio, comp.overlap, lookahead)
             shapes.append(((2, rows, comp.width), True))
         return shapes
 

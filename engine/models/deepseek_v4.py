@@ -16,11 +16,22 @@ load (DeepSeek's own conversion does the same: the grouped product reads it whol
 compressors, the indexer's weights_proj, the router, the head and every norm stay in the
 checkpoint's float dtype; the sinks, `ape`, the router bias and mHC are float32.
 
-Decode state per layer (engine/layers/v4_attention.py): the window ring and the pooling
-states per sequence slot (`state_specs`), the compressed entries and CSA's indexer keys
-paged (`cache_specs`).
+`forward` returns the final C streams [T, C, D] (the hidden state each row carries);
+`compute_logits` collapses the rows it is given (hc_head, norm) and applies the head. The
+MTP layer (engine/models/deepseek_v4_mtp.py) reads those streams, not the collapse.
 
-The MTP layer (`mtp.0.*`) is not built yet: its tensors are accepted and skipped.
+Decode state per layer (engine/layers/v4_attention.py), the MTP layers' after the main
+ones: the window ring and the pooling states per sequence slot (`state_specs`), the
+compressed entries and CSA's indexer keys paged (`cache_specs`).
+
+Under speculative decoding (`reserve_lookahead(K)`) the ring holds sliding_window + K keys
+and each pooling state R + K rows. A verify step writes the keys and pooling rows of K
+drafts; a rejected draft's, at position q, overwrites the row of position q - size, which
+with K spare rows lies before every later query's window (and pooling reach), so nothing
+the next step reads is lost. Its own rows are rewritten when the real token at q runs. A
+compressed entry a rejected draft closed is recommitted by the step whose real token
+closes that window, and written before that step's queries read it; a query never sees an
+entry whose window closes after it.
 """
 
 from __future__ import annotations
@@ -39,6 +50,7 @@ from engine.layers.v4_attention import V4Attention, v4_rope_parameters
 from engine.models.base import CacheSpec, CausalLM, StateSpec
 from engine.models.deepseek_v4_config import DeepseekV4ModelConfig
 from engine.models.deepseek_v4_loading import SHARED_EXPERT_PROJ, load_v4_weights
+from engine.models.deepseek_v4_mtp import V4MtpLayer
 from engine.models.deepseek_v4_names import hub_tensor_specs
 from engine.ops.attention_context import AttentionContext
 from engine.quant.base import QuantConfig
@@ -55,7 +67,7 @@ def quant_config_for(cfg: DeepseekV4ModelConfig) -> DeepseekQuantConfig | None:
     if qc is None:
         return None
     prefixes = set()
-    for name in hub_tensor_specs(cfg, quantized=True, mtp=False):
+    for name in hub_tensor_specs(cfg, quantized=True):
         if not name.endswith(".scale") or ".ffn.experts." in name:
             continue
         prefix = name[: -len(".scale")]
@@ -162,27 +174,66 @@ def hub_rope_config(cfg: DeepseekV4ModelConfig) -> dict:
 
 
 class DeepseekV4ForCausalLM(CausalLM):
-    def __init__(self, config: dict, quant_config: QuantConfig | None = None) -> None:
+    """`enable_mtp`: None builds the MTP layer(s) when config.json declares them and keeps
+    them when the checkpoint holds them (dropped when it holds none of their tensors, as
+    transformers' save_pretrained writes); True requires them; False skips them."""
+
+    def __init__(
+        self,
+        config: dict,
+        quant_config: QuantConfig | None = None,
+        enable_mtp: bool | None = None,
+    ) -> None:
         super().__init__()
         self.config = cfg = DeepseekV4ModelConfig.from_dict(config)
         # The family knows its checkpoint's formats tensor by tensor; the loader's
         # generic reading of `quantization_config` does not.
         self.quant_config = quant = quant_config_for(cfg)
-        D = cfg.hidden_size
+        D, L = cfg.hidden_size, cfg.num_hidden_layers
         self.embed = nn.Embedding(cfg.vocab_size, D)
         self.embed.weight.requires_grad_(False)
-        self.layers = nn.ModuleList(
-            V4DecoderLayer(cfg, i, quant, f"layers.{i}.") for i in range(cfg.num_hidden_layers)
-        )
+        self.layers = nn.ModuleList(V4DecoderLayer(cfg, i, quant, f"layers.{i}.") for i in range(L))
         self.hc_head = HyperHead(D, cfg.hc_mult, cfg.hc_eps, cfg.rms_norm_eps)
         self.norm = RMSNorm(D, cfg.rms_norm_eps)
         self.head = Linear(D, cfg.vocab_size, False, None, "head")
-        # the window ring holds exactly the window: every query's keys, nothing more
-        self.ring_size = cfg.sliding_window
+        self.mtp_required = enable_mtp is True
+        n_mtp = cfg.num_nextn_predict_layers if enable_mtp is not False else 0
+        if enable_mtp and n_mtp == 0:
+            raise ValueError("enable_mtp=True but config.json declares no MTP layer")
+        self.mtp = None
+        if n_mtp:
+            self.mtp = nn.ModuleList(
+                V4MtpLayer(
+                    V4DecoderLayer(cfg, L + k, quant, f"mtp.{k}."),
+                    D,
+                    cfg.hc_mult,
+                    cfg.hc_eps,
+                    cfg.rms_norm_eps,
+                    quant,
+                    f"mtp.{k}.",
+                )
+                for k in range(n_mtp)
+            )
+        self.lookahead = 0  # reserve_lookahead
 
     @property
     def max_model_len(self) -> int:
         return self.config.max_position_embeddings
+
+    @property
+    def ring_size(self) -> int:
+        """Keys a window ring holds: the window, plus the drafts a verify step writes."""
+        return self.config.sliding_window + self.lookahead
+
+    def reserve_lookahead(self, tokens: int) -> None:
+        """Size the decode state for speculative steps that write up to `tokens` drafts
+        past a sequence's last accepted token (module docstring). Called before the state
+        is allocated: the sizes are what state_specs reports."""
+        if getattr(self, "_bind_state", None) is not None:
+            raise RuntimeError("reserve_lookahead after the decode state was bound")
+        if tokens < 0:
+            raise ValueError(f"lookahead must be >= 0, got {tokens}")
+        self.lookahead = tokens
 
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext
@@ -191,17 +242,46 @@ class DeepseekV4ForCausalLM(CausalLM):
         streams = x[:, None, :].expand(-1, self.config.hc_mult, -1).contiguous()  # [T, C, D]
         for layer in self.layers:
             streams = layer(streams, positions, ctx, input_ids)
-        return self.norm(self.hc_head(streams))  # [T, D]
+        return streams  # [T, C, D]
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.head(hidden).float()  # [N, V]
+        """hidden [N, C, D] (rows of forward's streams) -> [N, V] float32."""
+        return self.head(self.norm(self.hc_head(hidden))).float()
+
+    # -- MTP -------------------------------------------------------------------------------
+    @property
+    def num_mtp_layers(self) -> int:
+        return len(self.mtp) if self.mtp is not None else 0
+
+    def mtp_forward(
+        self,
+        prev_hidden: torch.Tensor,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        ctx: AttentionContext,
+        depth: int = 0,
+    ) -> torch.Tensor:
+        """MTP layer `depth` at rows whose previous streams (the target's forward output,
+        or the previous MTP output) are prev_hidden [T, C, D] and whose next token is
+        input_ids [T] -> [T, C, D]."""
+        if self.mtp is None:
+            raise RuntimeError("this model has no MTP layer loaded")
+        layer = self.mtp[depth]
+        return layer(self.embed(input_ids), prev_hidden, positions, ctx, input_ids)
+
+    def mtp_logits(self, mtp_hidden: torch.Tensor, depth: int = 0) -> torch.Tensor:
+        """mtp_hidden [N, C, D] -> [N, V] float32 through the MTP layer's collapse and the
+        model's head."""
+        return self.head(self.mtp[depth].collapse(mtp_hidden)).float()
 
     # -- decode state ------------------------------------------------------------------------
     def _attentions(self) -> list[V4Attention]:
-        return [layer.attn for layer in self.layers]
+        blocks = list(self.layers) + [m.block for m in (self.mtp or [])]
+        return [block.attn for block in blocks]
 
     def cache_specs(self) -> list[CacheSpec]:
-        """Per layer in order: its compressed entries, then (CSA) its indexer keys."""
+        """Per layer in order (the MTP layers last): its compressed entries, then (CSA)
+        its indexer keys."""
         return [
             CacheSpec(shape, tokens_per_entry=span)
             for attn in self._attentions()
@@ -209,11 +289,12 @@ class DeepseekV4ForCausalLM(CausalLM):
         ]
 
     def state_specs(self) -> list[StateSpec]:
-        """Per layer in order: its window ring, then its compressors' pooling states."""
+        """Per layer in order (the MTP layers last): its window ring, then its compressors'
+        pooling states."""
         return [
             StateSpec(shape, torch.float32 if f32 else None)
             for attn in self._attentions()
-            for shape, f32 in attn.state_shapes(self.ring_size)
+            for shape, f32 in attn.state_shapes(self.ring_size, self.lookahead)
         ]
 
     def bind_kv_cache(self, caches: list[torch.Tensor]) -> None:
@@ -238,7 +319,8 @@ class DeepseekV4ForCausalLM(CausalLM):
                 f"got {len(caches)} and {len(states)}"
             )
         for attn in attns:
-            nc, ns = len(attn.cache_shapes()), len(attn.state_shapes(self.ring_size))
+            nc = len(attn.cache_shapes())
+            ns = len(attn.state_shapes(self.ring_size, self.lookahead))
             attn.bind(caches[:nc], states[:ns])
             caches, states = caches[nc:], states[ns:]
 

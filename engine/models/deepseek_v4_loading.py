@@ -7,9 +7,14 @@ so shards of one checkpoint need no declared layout.
 Every tensor goes to one parameter (or one expert's slice of a stacked one) as stored:
 quantized storage takes only its own kind of tensor, float parameters only float tensors,
 and the shapes must agree. The hub's FP8 `wo_a` is the exception: it is dequantized once
-into the engine's float parameter when both its weight and scale have been seen. `mtp.*`
-tensors are skipped (the MTP layer is not built). Missing and unexpected tensors are
-named in the hub's spelling.
+into the engine's float parameter when both its weight and scale have been seen. Missing
+and unexpected tensors are named in the hub's spelling.
+
+The MTP layer (`mtp.{k}.*`, only in the hub's layout: transformers has none) loads as
+strictly as the rest when the model built it. A checkpoint that holds none of its tensors
+drops it unless the model requires it (`enable_mtp=True`); a model built without it
+(`enable_mtp=False`) skips its tensors; `mtp.*` in a checkpoint whose config declares no
+MTP layer is unexpected.
 """
 
 from __future__ import annotations
@@ -43,34 +48,47 @@ class Target:
 def hub_targets(model) -> dict[str, Target]:
     """Every parameter of the model under its hub name."""
     targets: dict[str, Target] = {}
-
-    def add(tensors: dict[str, nn.Parameter]) -> None:
-        targets.update({name: Target(p) for name, p in tensors.items()})
-
+    add = _adder(targets)
     add({"embed.weight": model.embed.weight, "norm.weight": model.norm.weight})
     add({"head.weight": model.head.weight})
     add(model.hc_head.checkpoint_tensors())
     for layer in model.layers:
-        p = layer.prefix
-        add({f"{p}attn_norm.weight": layer.attn_norm.weight})
-        add({f"{p}ffn_norm.weight": layer.ffn_norm.weight})
-        add(layer.attn.checkpoint_tensors())
-        add(layer.hc_attn.checkpoint_tensors())
-        add(layer.hc_ffn.checkpoint_tensors())
-        ffn = layer.ffn
-        add({f"{p}ffn.gate.weight": ffn.gate.weight})
-        if ffn.gate.e_score_correction_bias is not None:
-            add({f"{p}ffn.gate.bias": ffn.gate.e_score_correction_bias})
-        if ffn.gate.tid2eid is not None:
-            add({f"{p}ffn.gate.tid2eid": ffn.gate.tid2eid})
-        for hub, ours in SHARED_EXPERT_PROJ.items():
-            proj = getattr(ffn.shared_experts, ours)
-            add({f"{p}ffn.shared_experts.{hub}.{n}": t for n, t in proj.named_parameters()})
-            stacked = getattr(ffn.experts, ours)
-            for leaf, param in stacked.named_parameters():
-                for j in range(stacked.num_experts):
-                    targets[f"{p}ffn.experts.{j}.{hub}.{leaf}"] = Target(param, j)
+        _block_targets(layer, targets)
+    for mtp in model.mtp or []:
+        add(mtp.checkpoint_tensors())
+        _block_targets(mtp.block, targets)
     return targets
+
+
+def _adder(targets: dict[str, Target]):
+    def add(tensors: dict[str, nn.Parameter]) -> None:
+        targets.update({name: Target(p) for name, p in tensors.items()})
+
+    return add
+
+
+def _block_targets(layer, targets: dict[str, Target]) -> None:
+    """A decoder layer's parameters (a main layer's, or an MTP layer's block) by hub name."""
+    add = _adder(targets)
+    p = layer.prefix
+    add({f"{p}attn_norm.weight": layer.attn_norm.weight})
+    add({f"{p}ffn_norm.weight": layer.ffn_norm.weight})
+    add(layer.attn.checkpoint_tensors())
+    add(layer.hc_attn.checkpoint_tensors())
+    add(layer.hc_ffn.checkpoint_tensors())
+    ffn = layer.ffn
+    add({f"{p}ffn.gate.weight": ffn.gate.weight})
+    if ffn.gate.e_score_correction_bias is not None:
+        add({f"{p}ffn.gate.bias": ffn.gate.e_score_correction_bias})
+    if ffn.gate.tid2eid is not None:
+        add({f"{p}ffn.gate.tid2eid": ffn.gate.tid2eid})
+    for hub, ours in SHARED_EXPERT_PROJ.items():
+        proj = getattr(ffn.shared_experts, ours)
+        add({f"{p}ffn.shared_experts.{hub}.{n}": t for n, t in proj.named_parameters()})
+        stacked = getattr(ffn.experts, ours)
+        for leaf, param in stacked.named_parameters():
+            for j in range(stacked.num_experts):
+                targets[f"{p}ffn.experts.{j}.{hub}.{leaf}"] = Target(param, j)
 
 
 class V4Loader:
@@ -80,6 +98,7 @@ class V4Loader:
         self.targets = hub_targets(model)
         self.filled: set[str] = set()
         self.unexpected: list[str] = []
+        self.mtp_seen = False
         # hub `...attn.wo_a.weight` name -> its FP8 codes or E8M0 scale, until both are here
         self.wo_a_parts: dict[str, dict[str, torch.Tensor]] = {}
 
@@ -90,8 +109,11 @@ class V4Loader:
     def _hub_tensors(self, name: str, tensor: torch.Tensor):
         """The (hub name, tensor) pairs a checkpoint tensor holds ([] when skipped)."""
         if name.startswith("mtp."):
+            if self.model.mtp is not None:
+                self.mtp_seen = True
+                return [(name, tensor)]
             if self.cfg.num_nextn_predict_layers:
-                return []  # the MTP layer is not built: its tensors are skipped on purpose
+                return []  # built without the MTP layer (enable_mtp=False): skipped
             self.unexpected.append(name)
             return []
         if name in self.targets or name.endswith(".wo_a.scale"):
@@ -137,12 +159,17 @@ class V4Loader:
             del self.wo_a_parts[weight_name]
 
     def finish(self) -> None:
+        model = self.model
+        if model.mtp is not None and not self.mtp_seen and not model.mtp_required:
+            # The checkpoint has no MTP layer (save_pretrained writes none): run without.
+            model.mtp = None
+            self.targets = hub_targets(model)
         missing = [n for n in self.targets if n not in self.filled]
         for weight_name, parts in self.wo_a_parts.items():
             lacking = "scale" if "weight" in parts else "weight"
             missing.append(weight_name[: -len("weight")] + lacking)
         raise_on_mismatch(missing, self.unexpected)
-        run_after_loading_hooks(self.model)
+        run_after_loading_hooks(model)
 
 
 def load_v4_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

@@ -20,11 +20,14 @@ path (a whole prefix, a chunk after a state, one decode token) lays the same val
 the same [n, slots, d] tensor and pools it with `_pool`, so the entries do not depend on
 how a prefix was split into steps (bit for bit).
 
-The pooling state of one sequence is `state [2, R, W]` float32: row q % R holds token q's
-(kv, score + ape), R = m (HCA) or 2m (CSA, the previous window's Ca is still needed). A
-chunk reads the rows of its first open window (and, for CSA, the window before) from it and
-writes its own last R tokens back. At V4-Flash sizes: HCA 2 * 128 * 512 * 4 B = 512 KiB;
-CSA compressor 2 * 8 * 1024 * 4 B = 64 KiB; CSA indexer 2 * 8 * 256 * 4 B = 16 KiB.
+The pooling state of one sequence is `state [2, reach, W]` float32: row q % reach holds
+token q's (kv, score + ape). reach = R + lookahead, R = m (HCA) or 2m (CSA, the previous
+window's Ca is still needed); lookahead is 0, or the drafts a speculative step writes past
+the last accepted token, so that a rejected draft's row at q never overwrites a row the
+next chunk reads (those lie within R before it). A chunk reads the rows of its first open
+window (and, for CSA, the window before) from it and writes its own last `reach` tokens
+back. At V4-Flash sizes (lookahead 0): HCA 2 * 128 * 512 * 4 B = 512 KiB; CSA compressor
+2 * 8 * 1024 * 4 B = 64 KiB; CSA indexer 2 * 8 * 256 * 4 B = 16 KiB.
 """
 
 from __future__ import annotations
@@ -44,9 +47,10 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return (weight.float() * xf).to(x.dtype)
 
 
-def state_rows(ratio: int, overlap: bool) -> int:
-    """R, the tokens a sequence's pooling state keeps: one window, two with overlap."""
-    return 2 * ratio if overlap else ratio
+def state_rows(ratio: int, overlap: bool, lookahead: int = 0) -> int:
+    """The tokens a sequence's pooling state keeps: R (one window, two with overlap) plus
+    `lookahead` (speculative drafts, module docstring)."""
+    return (2 * ratio if overlap else ratio) + lookahead
 
 
 def new_state(ratio: int, width: int, overlap: bool, device=None) -> torch.Tensor:
@@ -136,11 +140,14 @@ def compress_chunk(
     inv_freq: torch.Tensor,
 ) -> tuple[torch.Tensor, int]:
     """The next T tokens of a sequence, positions start..start+T-1 (kv, score [T, W]), after
-    its pooling state [2, R, W] holding tokens < start -> (the entries their windows commit
-    [n_new, d] in kv's dtype, the index of the first of them). Writes the chunk's last R
-    tokens into `state` in place; a decode step is the chunk T = 1."""
+    its pooling state [2, reach, W] holding tokens < start (reach >= R, module docstring)
+    -> (the entries their windows commit [n_new, d] in kv's dtype, the index of the first
+    of them). Writes the chunk's last `reach` tokens into `state` in place; a decode step
+    is the chunk T = 1."""
     ratio = ape.shape[0]
-    reach = state_rows(ratio, overlap)
+    reach, need = state.shape[1], state_rows(ratio, overlap)
+    if reach < need:
+        raise ValueError(f"a pooling state of {reach} rows; this compressor needs >= {need}")
     t = kv.shape[0]
     positions = torch.arange(start, start + t, device=kv.device)
     rows = token_rows(kv, score, ape, positions)

@@ -38,9 +38,10 @@ class DraftProposal:
 
 
 def decode_context(
-    block_tables: torch.Tensor, positions: torch.Tensor, block_size: int
+    block_tables: torch.Tensor, positions: torch.Tensor, block_size: int, like: AttentionContext
 ) -> AttentionContext:
-    """A one-token-per-sequence context writing at `positions` [B] (context = pos + 1)."""
+    """A one-token-per-sequence context writing at `positions` [B] (context = pos + 1), for
+    the sequences of `like` in its order (their state slots and batch-invariance mode)."""
     B = positions.shape[0]
     pos = positions.long()
     blocks = block_tables.long().gather(1, (pos // block_size)[:, None])[:, 0]
@@ -54,6 +55,9 @@ def decode_context(
         query_lens_host=[1] * B,
         context_lens_host=lens.tolist(),
         is_decode=True,
+        batch_invariant=like.batch_invariant,
+        state_slots=like.state_slots,
+        state_slots_host=like.state_slots_host,
     )
 
 
@@ -100,18 +104,19 @@ class MtpDrafter:
         temperatures: torch.Tensor | None = None,
         generator: torch.Generator | None = None,
     ) -> DraftProposal:
-        """target_hidden [T, D] (the target forward's output rows), next_ids [T] (the token
-        after each row), positions [T] and ctx of those rows. Returns K drafts per sequence."""
+        """target_hidden [T, ...] (the target forward's output rows: [T, D] for V3, the
+        final streams [T, C, D] for V4), next_ids [T] (the token after each row), positions
+        [T] and ctx of those rows. Returns K drafts per sequence."""
         model, depths = self.model, self.model.num_mtp_layers
-        hidden = model.mtp_forward(target_hidden, next_ids, positions, ctx, depth=0)  # [T, D]
+        hidden = model.mtp_forward(target_hidden, next_ids, positions, ctx, depth=0)  # [T, ...]
         last = (ctx.cu_query_lens[1:] - 1).long()  # [B]
-        hidden = hidden[last]  # [B, D]
+        hidden = hidden[last]  # [B, ...]
         pos = positions[last]
         token, probs = draw_tokens(model.mtp_logits(hidden, 0), temperatures, generator)
         tokens, dists = [token], [probs]
         for k in range(1, self.num_draft_tokens):
             depth = min(k, depths - 1)
-            step_ctx = decode_context(ctx.block_tables, pos + k, ctx.block_size)
+            step_ctx = decode_context(ctx.block_tables, pos + k, ctx.block_size, ctx)
             hidden = model.mtp_forward(hidden, tokens[-1], pos + k, step_ctx, depth=depth)
             token, probs = draw_tokens(model.mtp_logits(hidden, depth), temperatures, generator)
             tokens.append(token)

@@ -14,7 +14,9 @@ K drafts (K+1 rows at positions p..p+K). Then:
    row's confirmed next token, and proposes K drafts for every sequence that emitted.
 
 The scheduler gives each running sequence blocks for K extra positions (drafts and the
-MTP layer's speculative cache writes).
+MTP layer's speculative cache writes). A model with fixed per-sequence state (V4's window
+rings and pooling rows, overwritten in place) sizes it for K drafts through
+`reserve_lookahead(K)`, called here, before the model runner allocates that state.
 
 The speculator gets what it uses, not the model runner: the model (the target's forward
 and logits, and its MTP layer), the function that flattens a step's rows into inputs and
@@ -61,6 +63,9 @@ class MtpSpeculator:
         self.banned_tokens = banned_tokens
         self.max_model_len = max_model_len
         self.drafter = MtpDrafter(model, num_draft_tokens)
+        reserve = getattr(model, "reserve_lookahead", None)
+        if reserve is not None:
+            reserve(num_draft_tokens)
         self.stats = AcceptanceStats()
 
     def run(self, batch: ScheduledBatch) -> dict[int, list[int]]:
@@ -68,7 +73,7 @@ class MtpSpeculator:
         # a sequence's rows: its uncomputed tokens, then its drafts
         items = [(s, s.num_computed, n) for s, n in zip(batch.seqs, batch.num_tokens)]
         input_ids, positions, ctx = self.build_inputs(items)
-        hidden = model(input_ids, positions, ctx)  # [T, D]
+        hidden = model(input_ids, positions, ctx)  # [T, ...]: what compute_logits reads
         emitted: dict[int, list[int]] = {}
         valid_items: list[tuple[Sequence, int, int]] = []
         valid_rows: list[int] = []
