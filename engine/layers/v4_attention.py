@@ -273,7 +273,10 @@ class V4Attention(nn.Module, DeviceLayer):
         """o [T, H, head_dim] (rotated as its keys were) -> [T, D]: de-rotate at the query's
         position, the grouped wo_a, then wo_b."""
         o = apply_rope(o, cos, -sin)
-        wo_a = self.wo_a.format.dequantize(self.wo_a).to(o.dtype)
+        wo_a = self.wo_a.weight  # the family keeps it in float (dequantized at load)
+        if self.wo_a.format.name != "unquantized":
+            wo_a = self.wo_a.format.dequantize(self.wo_a)
+        wo_a = wo_a.to(o.dtype)  # a no-op for a model-dtype weight
         return self.wo_b(grouped_low_rank(o, wo_a))
 
     # -- whole prompts and engine steps ----------------------------------------------------------
