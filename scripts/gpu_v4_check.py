@@ -53,15 +53,18 @@ def main() -> None:
         want, _ = greedy(LLM(str(path), device="cpu", dtype="float32"))
         for dtype in ("float32", "bfloat16"):
             for eager in (False, True):
-                llm = LLM(str(path), device="cuda", dtype=dtype, record_routing=eager)
-                got, tok_s = greedy(llm)
-                diffs = [first_difference(g, w) for g, w in zip(got, want)]
-                run = {"format": fmt, "dtype": dtype, "graphs": llm.engine.runner.graphs
-                       is not None and not eager, "first_difference": diffs,
-                       "tok_s": round(tok_s, 1)}  # fmt: skip
+                run = {"format": fmt, "dtype": dtype, "eager": eager}
+                try:
+                    llm = LLM(str(path), device="cuda", dtype=dtype, record_routing=eager)
+                    got, tok_s = greedy(llm)
+                    run["graphs"] = llm.engine.runner.graphs is not None and not eager
+                    run["first_difference"] = [first_difference(g, w) for g, w in zip(got, want)]
+                    run["tok_s"] = round(tok_s, 1)
+                    del llm
+                except Exception as exc:  # report and go on: one call checks every case
+                    run["error"] = f"{type(exc).__name__}: {exc}"[:300]
                 results["runs"].append(run)
                 print(json.dumps(run), flush=True)
-                del llm
                 torch.cuda.empty_cache()
     if out_path:
         out_path.write_text(json.dumps(results, indent=2) + "\n")
