@@ -186,13 +186,17 @@ def decode_graphs_apply(model: nn.Module, device: torch.device) -> bool:
     """Whether `model`'s decode step can be captured: on CUDA, for models whose decode step
     never syncs the host: those whose attention is MLA (its CUDA decode path reads context
     lengths on the device), and DeepSeek-V4 where every attention layer's ops declare
-    `captures_decode`. Other families' torch attention sizes its work from host-side
-    lengths, so they stay eager."""
+    `captures_decode`; never when some layer's ops declare it False (quantized experts
+    the kernels do not take). Other families' torch attention sizes its work from
+    host-side lengths, so they stay eager."""
     from engine.layers.mla import MultiLatentAttention
     from engine.layers.v4_attention import V4Attention
 
     if device.type != "cuda":
         return False
+    if any(getattr(getattr(m, "ops", None), "captures_decode", True) is False
+           for m in model.modules()):  # fmt: skip
+        return False  # a layer's device ops say their decode step syncs the host
     v4 = [m for m in model.modules() if isinstance(m, V4Attention)]
     if v4:  # the device's V4 ops say whether their decode step is free of host syncs
         return all(getattr(m.ops, "captures_decode", False) for m in v4)

@@ -121,3 +121,24 @@ def test_fill_gives_each_row_its_state_slot_and_padding_the_scratch_slot():
     plain = DecodeInputs(8, 5, 4, 9, torch.device("cpu"))
     plain.fill([a], 2)
     assert plain.context(2, 16).state_slots is None
+
+
+def test_decode_graphs_apply_only_where_every_layer_can_be_captured():
+    from types import SimpleNamespace
+
+    from engine.cuda_graph_runner import decode_graphs_apply
+    from engine.layers.moe import DeepseekMoE
+    from engine.layers.v4_attention import V4Attention
+    from tests.engine.v4_helpers import engine_v4_from_hf, hf_v4_model
+
+    model = engine_v4_from_hf(hf_v4_model(seed=0))
+    cuda = torch.device("cuda")
+    assert not decode_graphs_apply(model, torch.device("cpu"))
+    assert not decode_graphs_apply(model, cuda)  # the torch V4 attention ops sync
+    for m in model.modules():
+        if isinstance(m, V4Attention):
+            m.ops = SimpleNamespace(captures_decode=True)
+    assert decode_graphs_apply(model, cuda)
+    moe = next(m for m in model.modules() if isinstance(m, DeepseekMoE))
+    moe.ops = SimpleNamespace(captures_decode=False)  # quantized experts on the torch path
+    assert not decode_graphs_apply(model, cuda)

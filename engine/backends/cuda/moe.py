@@ -88,6 +88,12 @@ class CudaMoeOps(MoeOps):
         self.hashed = gate.spec.hash_routing
         self.swiglu_limit = moe.experts.swiglu_limit
         self.invariant = setup.batch_invariant
+        # quantized experts the kernels do not take (float32 activations, or shapes the
+        # stacking refuses) run the torch code, which reads expert counts back to the host:
+        # such a model's decode step cannot be captured
+        unquantized = moe.experts.gate_proj.format.name == "unquantized"
+        kernels = self.fused is not None and setup.dtype in KERNEL_DTYPES
+        self.captures_decode = kernels or unquantized
 
     def token_ids(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> dict:
         """The per-call routing argument: a hash-routed layer's `token_ids` (the step's
