@@ -116,20 +116,21 @@ def window_and_entries_attention(attn, q, kv, ring, positions, start, entries, v
     head_dim], batch-invariant (kernels/cpu/batch_invariant.attention).
 
     Each query's keys are laid out canonically, so its arithmetic does not depend on the
-    chunk it came in: key j < ring_size is the window position p with p % ring_size == j
-    (from the ring for p < start, else from the chunk's own kv), then the entries in
-    index order. A chunk or a whole prompt gives a query the same keys at the same
-    places, and entries it does not see are masked padding."""
+    chunk it came in: key j < window is the window position p with p % window == j
+    (from the ring, at p % ring_size, for p < start, else from the chunk's own kv), then
+    the entries in index order. A chunk or a whole prompt gives a query the same keys at
+    the same places, whatever the ring's size (it is larger than the window by the
+    speculative lookahead), and entries it does not see are masked padding."""
     n, H, hd = q.shape
-    size = ring.shape[0]
+    size, window = ring.shape[0], attn.sliding_window
     out = torch.empty_like(q)
-    slots = torch.arange(size, device=q.device)
+    slots = torch.arange(window, device=q.device)
     for g in range(0, n, QUERY_GROUP):
         t = positions[g : g + QUERY_GROUP]  # [G]
-        pos = t[:, None] - (t[:, None] - slots[None, :]) % size  # [G, ring]: p = j mod size
-        seen = (pos >= 0) & (t[:, None] - pos < attn.sliding_window)
+        pos = t[:, None] - (t[:, None] - slots[None, :]) % window  # [G, window]: p = j mod W
+        seen = pos >= 0
         from_chunk = pos >= start
-        keys = ring[pos.clamp(min=0) % size].to(kv.dtype)  # [G, ring, hd]
+        keys = ring[pos.clamp(min=0) % size].to(kv.dtype)  # [G, window, hd]
         own = kv[(pos - start).clamp(min=0, max=kv.shape[0] - 1)]
         keys = torch.where(from_chunk[..., None], own, keys)
         if entries is not None:

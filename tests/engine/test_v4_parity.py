@@ -165,3 +165,16 @@ def test_wrong_shape_and_dtype_are_refused_by_name():
     state["layers.3.attn.attn_sink"] = torch.zeros(5)
     with pytest.raises(CheckpointMismatch, match=r"layers.3.attn.attn_sink.*\(5,\)"):
         model.load_weights(state.items())
+
+
+def test_a_larger_ring_gives_the_same_bits():
+    """Speculative decoding sizes the ring and pooling rows window + K: the queries' keys
+    keep their canonical places, so logits do not change by a bit."""
+    hf = hf_v4_model(seed=5)
+    plain, roomy = engine_v4_from_hf(hf), engine_v4_from_hf(hf)
+    roomy.reserve_lookahead(3)
+    want = PagedRunner(plain, block_size=8).step([(0, PROMPTS[2])])[0]
+    runner = PagedRunner(roomy, block_size=8)
+    got = runner.step([(0, PROMPTS[2][:11])])[0]
+    got = torch.cat([got, runner.step([(0, PROMPTS[2][11:])])[0]])
+    assert torch.equal(got, want)

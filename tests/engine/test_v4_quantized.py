@@ -92,10 +92,15 @@ def test_a_float_tensor_where_the_config_declares_fp8_is_refused_by_name():
 def test_decode_state_sizes_at_v4_flash_shapes():
     """Per token of context, bf16: 21 CSA layers x (512 + 128) x 2 B / 4 plus 20 HCA
     layers x 512 x 2 B / 128 = 6,880 B (V3: 70,272 B); fixed per sequence: a 128-token
-    ring of 512 bf16 per layer (5.4 MiB) and the float32 pooling rows (11.6 MiB)."""
+    ring of 512 bf16 per layer (5.4 MiB) and the float32 pooling rows (11.6 MiB); the MTP
+    layer (sliding only) adds one more ring."""
     config = json.loads(FLASH_CONFIG.read_text())
     with torch.device("meta"):
-        model = DeepseekV4ForCausalLM(config)
+        with_mtp = DeepseekV4ForCausalLM(config)
+        model = DeepseekV4ForCausalLM(config, enable_mtp=False)
+    mtp_state = sum(s.bytes_per_sequence(torch.bfloat16) for s in with_mtp.state_specs())
+    own = sum(s.bytes_per_sequence(torch.bfloat16) for s in model.state_specs())
+    assert mtp_state - own == 128 * 512 * 2
     per_token = sum(s.bytes_per_token(torch.bfloat16) for s in model.cache_specs())
     assert per_token == 21 * (512 + 128) * 2 / 4 + 20 * 512 * 2 / 128 == 6880
     state = [s.bytes_per_sequence(torch.bfloat16) for s in model.state_specs()]
