@@ -188,7 +188,7 @@ def make_random_v4_checkpoint(
     cfg = DeepseekV4ModelConfig.from_dict(config)
     writer = ShardWriter(out, shard_bytes)
     written = []
-    for name, tensor in _tensors(cfg, specs, seed, resolve_device(device)):
+    for name, tensor in random_tensors(cfg, specs, seed, resolve_device(device)):
         spec = specs.get(name)
         if spec is None or (tuple(tensor.shape), tensor.dtype) != (spec.shape, spec.dtype):
             raise RuntimeError(
@@ -259,7 +259,7 @@ def build_config(
     return config
 
 
-def _tensors(
+def random_tensors(
     cfg: DeepseekV4ModelConfig, specs: dict[str, TensorSpec], seed: int, device: torch.device
 ) -> Iterator[tuple[str, torch.Tensor]]:
     """The stored tensors in checkpoint order; a quantized weight is followed by its scale."""

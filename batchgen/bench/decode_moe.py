@@ -792,7 +792,7 @@ def _register_drawn_format() -> None:
 
 
 def _open_drawn(name: str, path: Path, dtype: torch.dtype | None):
-    from engine.deepseek_v4_checkpoint import _tensors, plan
+    from engine.deepseek_v4_checkpoint import plan, random_tensors
     from engine.loader.model_source import ModelSource
     from engine.loader.quant_methods import quant_config_from_hf
     from engine.models.deepseek_v4_config import DeepseekV4ModelConfig
@@ -806,7 +806,7 @@ def _open_drawn(name: str, path: Path, dtype: torch.dtype | None):
 
     def stream():
         # as the safetensors source: an explicit dtype converts the stored float tensors
-        for tensor_name, tensor in _tensors(cfg, specs, recipe["seed"], device):
+        for tensor_name, tensor in random_tensors(cfg, specs, recipe["seed"], device):
             if dtype is not None and tensor.dtype in _FLOAT_DTYPES:
                 tensor = tensor.to(dtype)
             yield tensor_name, tensor

@@ -324,6 +324,20 @@ class DeepseekV4ForCausalLM(CausalLM):
             attn.bind(caches[:nc], states[:ns])
             caches, states = caches[nc:], states[ns:]
 
+    # -- routing statistics ----------------------------------------------------------------
+    @property
+    def routing_recorder(self):
+        """Set by the engine when routing statistics are on (engine/routing_stats.py);
+        handed to every MoE layer, the MTP block's included."""
+        return getattr(self, "_routing_recorder", None)
+
+    @routing_recorder.setter
+    def routing_recorder(self, recorder) -> None:
+        self._routing_recorder = recorder
+        for module in self.modules():
+            if isinstance(module, DeepseekMoE):
+                module.routing_recorder = recorder
+
     # -- loading ---------------------------------------------------------------------------
     def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
         load_v4_weights(self, weights)

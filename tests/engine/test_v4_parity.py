@@ -178,3 +178,16 @@ def test_a_larger_ring_gives_the_same_bits():
     got = runner.step([(0, PROMPTS[2][:11])])[0]
     got = torch.cat([got, runner.step([(0, PROMPTS[2][11:])])[0]])
     assert torch.equal(got, want)
+
+
+def test_routing_statistics_cover_every_moe_layer():
+    from engine.routing_stats import RoutingRecorder
+
+    model = engine_v4_from_hf(hf_v4_model(seed=6))
+    recorder = RoutingRecorder()
+    model.routing_recorder = recorder
+    recorder.begin_step(len(PROMPTS[2]), is_decode=False)
+    PagedRunner(model, block_size=8).step([(0, PROMPTS[2])])
+    layers = recorder.summary()["all"]["layers"]
+    assert sorted(layers) == [0, 1, 2, 3]
+    assert all(1 < v["mean_distinct_experts"] <= 8 for v in layers.values())
