@@ -2,7 +2,8 @@
 the three layouts of engine/models/deepseek_v4_names.py: the hub's (FP8 / MXFP4 tensors
 with E8M0 `.scale`, or float), transformers' `save_pretrained` files, and transformers'
 module names (a `state_dict()`, experts stacked). A tensor's layout is told by its name,
-so shards of one checkpoint need no declared layout.
+so shards of one checkpoint need no declared layout. A block scale may also carry
+transformers' name `*.weight_scale_inv` (E8M0, or float32 powers of two) in any of them.
 
 Every tensor goes to one parameter (or one expert's slice of a stacked one) as stored:
 quantized storage takes only its own kind of tensor, float parameters only float tensors,
@@ -27,6 +28,7 @@ from torch import nn
 
 from engine.models.deepseek_v4_names import from_layout, hub_names_of_hf
 from engine.models.weights import CheckpointMismatch, raise_on_mismatch, run_after_loading_hooks
+from kernels.formats.e8m0 import e8m0_to_float, float_to_e8m0_ceil
 from kernels.formats.fp8 import dequantize_fp8_block
 
 E8M0 = getattr(torch, "float8_e8m0fnu", None)
@@ -108,6 +110,11 @@ class V4Loader:
 
     def _hub_tensors(self, name: str, tensor: torch.Tensor):
         """The (hub name, tensor) pairs a checkpoint tensor holds ([] when skipped)."""
+        if name.endswith(SCALE_INV):
+            # transformers' name for a block scale (`.scale` in the hub), in any layout
+            pairs = self._hub_tensors(name[: -len(SCALE_INV)] + ".weight", tensor)
+            scale = e8m0_scale(tensor, name)
+            return [(hub[: -len("weight")] + "scale", scale) for hub, _ in pairs]
         if name.startswith("mtp."):
             if self.model.mtp is not None:
                 self.mtp_seen = True
@@ -170,6 +177,25 @@ class V4Loader:
             missing.append(weight_name[: -len("weight")] + lacking)
         raise_on_mismatch(missing, self.unexpected)
         run_after_loading_hooks(model)
+
+
+SCALE_INV = ".weight_scale_inv"
+
+
+def e8m0_scale(scale: torch.Tensor, name: str) -> torch.Tensor:
+    """A block scale as E8M0 bits (uint8): E8M0 as is; float32 only where every value is a
+    power of two (what `scale_fmt: ue8m0` promises), else refused naming the tensor."""
+    if scale.dtype in (torch.uint8, E8M0):
+        return scale.view(torch.uint8)
+    if not scale.is_floating_point():
+        raise CheckpointMismatch(f"tensor {name!r} is {scale.dtype}; expected a block scale")
+    bits = float_to_e8m0_ceil(scale.float())
+    if not torch.equal(e8m0_to_float(bits), scale.float()):
+        raise CheckpointMismatch(
+            f"tensor {name!r} holds block scales that are not powers of two; DeepSeek-V4's "
+            "ue8m0 format needs them exactly"
+        )
+    return bits
 
 
 def load_v4_weights(model, weights: Iterable[tuple[str, torch.Tensor]]) -> None:

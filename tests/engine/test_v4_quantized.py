@@ -123,3 +123,31 @@ def test_quantized_and_float_checkpoints_of_one_model_agree():
     a = PagedRunner(quant, block_size=8).step([(0, PROMPTS[0])])[0]
     b = PagedRunner(plain, block_size=8).step([(0, PROMPTS[0])])[0]
     assert relative_error(a, b) < 1e-5
+
+
+def test_transformers_scale_names_in_the_save_pretrained_layout_load_the_same_model():
+    """`model.layers.{i}.attn.wq_a.weight` + `...weight_scale_inv` (float32 powers of two,
+    transformers' spelling of the hub's E8M0 `.scale`) give the hub checkpoint's model."""
+    from engine.models.deepseek_v4_names import to_layout
+
+    hf = hf_v4_model(seed=13)
+    config, cfg, stored, _ = quantized_hub_state(hf, "fp4")
+    hub = DeepseekV4ForCausalLM(config).eval()
+    hub.load_weights(stored.items())
+    saved = {}
+    for name, tensor in stored.items():
+        if name.endswith(".scale"):
+            weight = to_layout(name[: -len("scale")] + "weight", "hf_saved", cfg)
+            scale = tensor.view(torch.uint8).to(torch.int32)
+            saved[weight[: -len(".weight")] + ".weight_scale_inv"] = torch.exp2(scale - 127.0)
+        else:
+            saved[to_layout(name, "hf_saved", cfg)] = tensor
+    model = DeepseekV4ForCausalLM(config).eval()
+    model.load_weights(saved.items())
+    want = PagedRunner(hub, block_size=8).step([(0, PROMPTS[0])])[0]
+    assert torch.equal(PagedRunner(model, block_size=8).step([(0, PROMPTS[0])])[0], want)
+    bad = dict(saved)
+    name = "model.layers.1.attn.wq_b.weight_scale_inv"
+    bad[name] = bad[name] * 1.5
+    with pytest.raises(ValueError, match=r"layers\.1\.attn\.wq_b\.weight_scale_inv.*powers of two"):
+        DeepseekV4ForCausalLM(config).load_weights(bad.items())
