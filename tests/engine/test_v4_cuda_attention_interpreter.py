@@ -83,12 +83,14 @@ def test_decode_steps_match_the_torch_ops(hf):
 @pytest.mark.parametrize(
     "dtype, tol", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2)], ids=["float32", "bfloat16"]
 )
-def test_each_layer_leaves_the_torch_ops_state_bit_for_bit(hf, dtype, tol):
-    # Layer by layer from the same state and input: the ring, the pooling states, the
-    # committed entries and the indexer's keys equal the torch ops' bit for bit (the same
-    # projections, pooled in the same float32 order), the output within `tol` (bf16: the
-    # kernel's float32 softmax against the torch ops' bf16 one). Positions 3, 6, 7, 13 and
-    # the 9 after: every residue of 8, window 0 of both compressors.
+def test_each_layer_leaves_the_torch_ops_state(hf, dtype, tol):
+    # Layer by layer from the same state and input: the ring and the pooling states equal
+    # the torch ops' bit for bit (the same projections and float32 rows); the committed
+    # entries and the indexer's keys within float rounding (the compressor kernel's exp,
+    # sum orders and fused multiply-adds: ~1e-7 in float32, one bf16 ulp in bf16), the
+    # output within `tol` (bf16: the kernel's float32 softmax against the torch ops' bf16
+    # one). Positions 3, 6, 7, 13 and the 9 after: every residue of 8, window 0 of both
+    # compressors.
     model, runner, gen = prefilled(hf, [3, 6, 7, 13], dtype=dtype)
     cuda_ops(model)
     hidden = model.config.hidden_size
@@ -106,7 +108,10 @@ def test_each_layer_leaves_the_torch_ops_state_bit_for_bit(hf, dtype, tol):
             where = f"step {step}, layer {i}"
             assert relative_error(got.float(), want.float()) < tol, where
             for n, t in layer_state(attn).items():
-                assert torch.equal(t, after[n]), f"{where}: {n}"
+                if n in ("entries", "index_keys"):
+                    assert relative_error(t.float(), after[n].float()) < tol, f"{where}: {n}"
+                else:
+                    assert torch.equal(t, after[n]), f"{where}: {n}"
 
 
 def test_the_selection_is_the_indexers_over_the_committed_keys():
@@ -120,9 +125,8 @@ def test_the_selection_is_the_indexers_over_the_committed_keys():
     x = torch.randn(4, model.config.hidden_size, generator=gen)
     cos, sin = attn.cos_sin(positions)
     _, qr = attn.query(x, cos, sin)
-    sel = indexer_selection(
-        attn.indexer, x, qr, positions, attn.index_keys, ctx.block_tables, ctx.block_size
-    )
+    tables = ctx.block_tables.to(torch.int32)
+    sel = indexer_selection(attn.indexer, x, qr, positions, attn.index_keys, tables)
     assert sel.shape == (4, 3) and sel.dtype == torch.int32
     flat = attn.index_keys.view(-1, attn.indexer.head_dim)
     for b, t in enumerate(positions.tolist()):

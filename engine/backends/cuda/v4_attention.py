@@ -9,13 +9,14 @@ host and a CUDA graph can capture it:
 1. q, qr and the roped kv of all B rows (the layer's `query`, `key_value`);
 2. kv into the ring at [slot, pos % ring_size], before the read: the attention kernel
    finds the query's own key there;
-3. each compressor (the CSA indexer's too): the token's (kv, score + ape[pos % m]) into its
-   pooling state at row pos % reach; every row then pools the window its token is in, as
-   engine/ops/v4_compress.py's `_slots` and `_pool` do, and the rows whose token closes
-   that window (pos % m == m - 1) write the entry to its paged row, the others write back
-   what the row holds;
-4. CSA: the indexer's scores over every entry the row's block table can hold, masked past
-   the committed ones, top index_topk on the device -> sel [B, index_topk] int32, -1 padded;
+3. each compressor (the CSA indexer's too), one kernel launch after its projections
+   (kernels/triton/v4_compress.py): the token's (kv, score + ape[pos % m]) into its
+   pooling state at row pos % reach, and a row whose token closes its window
+   (pos % m == m - 1) pools it (engine/ops/v4_compress.py's `_slots` and `_pool`) and
+   writes the entry to its paged row; the other rows write no entry;
+4. CSA: the indexer's scores (one launch) over every entry the row's block table can hold,
+   -inf past the committed ones, torch.topk on the device -> sel [B, index_topk] int32,
+   -1 padded;
 5. kernels/triton/v4_attention.py over ring and entries with the sinks, then the layer's
    `output` (de-rotation, grouped wo_a, wo_b).
 
@@ -36,94 +37,37 @@ import torch.nn.functional as F
 from engine.ops.attention_context import AttentionContext
 from engine.ops.device_layer import DeviceSetup, register
 from engine.ops.v4_attention import apply_rope, rope_cos_sin
-from engine.ops.v4_compress import indexer_topk, rms_norm, token_rows
 from engine.ops.v4_paged_attention import TORCH_V4_ATTENTION, V4AttentionOps
 from engine.spec_decode.mtp import MAX_DRAFTS
-from kernels.cpu import batch_invariant
 
 
-def paged_rows(tables: torch.Tensor, entries: torch.Tensor, ratio: int, block_size: int):
-    """Rows of entries [B, ...] (indices per sequence) in a paged compressed cache viewed as
-    [num_blocks * block_size // ratio, d]: entry w of sequence b lies in block
-    tables[b, w * ratio // block_size] at row (w * ratio % block_size) // ratio."""
-    per_block = block_size // ratio
-    flat = entries.reshape(entries.shape[0], -1)
-    pages = tables.long().gather(1, flat // per_block)
-    return (pages * per_block + flat % per_block).view(entries.shape)
+def compress_decode(comp, cache, state, x, positions, slots, tables) -> None:
+    """One decode token per row through a compressor (kernels/triton/v4_compress.py, one
+    launch after the projections): its rows into the pooling states [slots, 2, reach, W],
+    and the entry its token commits into the paged `cache` [num_blocks, block_size // m, d];
+    rows that close no window write no entry."""
+    from kernels.triton.v4_compress import v4_compress_decode
 
-
-def decode_window_slots(state: torch.Tensor, slots: torch.Tensor, positions: torch.Tensor,
-                        ratio: int, overlap: bool):  # fmt: skip
-    """The pooling slots (kv, score) [B, S, d] of the window each row's token is in, from
-    the pooling states [slots, 2, reach, W] that already hold the token (token q at row
-    q % reach): `_slots`' layout (HCA: the window's m tokens in order; CSA: Ca of window
-    w - 1, then Cb of window w, window -1's slots kv 0 and score -inf). Rows whose window
-    is not closed yet read stale slots; their entries are never written."""
-    reach = state.shape[2]
-    start = positions // ratio * ratio  # [B]: the first token of the row's window
-    offs = torch.arange(ratio, device=state.device)
-    cur = (start[:, None] + offs) % reach  # [B, m]
-    at = slots[:, None]
-    if not overlap:
-        return state[at, 0, cur], state[at, 1, cur]
-    prev = (start[:, None] - ratio + offs) % reach  # window w - 1's rows
-    d = state.shape[-1] // 2
-    kv = torch.cat([state[at, 0, prev, :d], state[at, 0, cur, d:]], dim=1)  # [B, 2m, d]
-    score = torch.cat([state[at, 1, prev, :d], state[at, 1, cur, d:]], dim=1)
-    ca = torch.arange(2 * ratio, device=state.device) < ratio  # [2m]: the Ca slots
-    none = (start == 0)[:, None, None] & ca[None, :, None]  # window -1's
-    return torch.where(none, 0.0, kv), torch.where(none, float("-inf"), score)
-
-
-def pool_at(kv: torch.Tensor, score: torch.Tensor, entry_pos: torch.Tensor, comp,
-            dtype: torch.dtype) -> torch.Tensor:  # fmt: skip
-    """kv, score [B, S, d] float32 -> entries [B, d] in dtype, each roped at its own
-    position entry_pos [B] (w * m): `_pool`'s arithmetic (the slot softmax spelled out),
-    with a rope position per row instead of a run of consecutive entries."""
-    weights = torch.exp(score - score.amax(dim=1, keepdim=True))
-    pooled = (kv * (weights / weights.sum(dim=1, keepdim=True))).sum(dim=1)
-    entries = rms_norm(pooled, comp.norm.weight, comp.eps)
-    cos, sin = rope_cos_sin(entry_pos, comp.inv_freq)
-    return apply_rope(entries, cos, sin).to(dtype)
-
-
-def compress_decode(comp, cache, state, x, positions, slots, tables, block_size) -> None:
-    """One decode token per row through a compressor: its rows into the pooling states
-    [slots, 2, reach, W], and the entry its token commits into the paged `cache` [num_blocks,
-    block_size // m, d]. Every row computes its window's entry; a row whose token does not
-    close the window writes back what its target row holds (that row lies in the token's
-    own block, since block_size is a multiple of m), so nothing branches on the host."""
-    ratio = comp.ratio
     kv, score = comp.project(x)  # [B, W]
-    rows = token_rows(kv, score, comp.ape, positions)  # [2, B, W]
-    state[slots, :, positions % state.shape[2]] = rows.transpose(0, 1)
-    slot_kv, slot_score = decode_window_slots(state, slots, positions, ratio, comp.overlap)
-    window = positions // ratio
-    entries = pool_at(slot_kv, slot_score, window * ratio, comp, kv.dtype)  # [B, d]
-    flat = cache.view(-1, cache.shape[-1])
-    target = paged_rows(tables, window[:, None], ratio, block_size)[:, 0]  # [B]
-    closes = (positions % ratio == ratio - 1)[:, None]
-    flat[target] = torch.where(closes, entries.to(flat.dtype), flat[target])
+    v4_compress_decode(kv, score, comp.ape, state, cache, positions, slots, tables,
+                       comp.norm.weight, comp.inv_freq, comp.eps, comp.overlap)  # fmt: skip
 
 
-def indexer_selection(indexer, x, qr, positions, keys_cache, tables, block_size):
+def indexer_selection(indexer, x, qr, positions, keys_cache, tables):
     """sel [B, index_topk] int32: each row's indexer top entries among every entry its
     block table can hold (n, a shape, not a length: the step's data does not size it),
-    masked past its committed ones (w < (pos + 1) // m), -1 where it has fewer."""
-    heads, dim = indexer.heads, indexer.head_dim
-    n = tables.shape[1] * (block_size // indexer.ratio)
-    w = torch.arange(n, device=x.device).expand(x.shape[0], n)
-    keys = keys_cache.view(-1, dim)[paged_rows(tables, w, indexer.ratio, block_size)]
-    q = indexer.wq_b(qr).view(-1, heads, dim)
+    scored -inf past its committed ones (w < (pos + 1) // m), -1 where it has fewer."""
+    from kernels.triton.v4_compress import v4_indexer_scores
+
+    q = indexer.wq_b(qr).view(-1, indexer.heads, indexer.head_dim)
     cos, sin = rope_cos_sin(positions, indexer.compressor.inv_freq)
-    q = apply_rope(q, cos, sin)  # [B, Hi, d]
-    # indexer_scores' arithmetic with each row's own keys [n, d]
-    dots = batch_invariant.batched_matmul(q.float(), keys.float().transpose(1, 2))  # [B, Hi, n]
-    dots = F.relu(dots) * dim**-0.5
-    weights = indexer.weights_proj(x).float() * heads**-0.5  # [B, Hi]
-    scores = (dots * weights[..., None]).sum(dim=1)  # [B, n]
-    picked = indexer_topk(scores, positions, indexer.ratio, indexer.topk)  # [B, min(k, n)]
-    return F.pad(picked, (0, indexer.topk - picked.shape[1]), value=-1).to(torch.int32)
+    q = apply_rope(q, cos, sin)  # [B, Hi, d_i]
+    weights = indexer.weights_proj(x)  # [B, Hi]
+    scores = v4_indexer_scores(q, weights, keys_cache, positions, tables, indexer.ratio)
+    k = min(indexer.topk, scores.shape[1])
+    values, picked = scores.topk(k, dim=-1)  # [B, k]
+    picked = torch.where(values == float("-inf"), -1, picked)
+    return F.pad(picked, (0, indexer.topk - k), value=-1).to(torch.int32)
 
 
 def decode_indices(ctx: AttentionContext) -> tuple[torch.Tensor, ...]:
@@ -163,12 +107,11 @@ class CudaV4AttentionOps(V4AttentionOps):
         if attn.compressor is not None:
             entries, block_tables = attn.entries, tables
             compress_decode(attn.compressor, entries, attn.pool_state, x, positions, slots,
-                            tables, ctx.block_size)  # fmt: skip
+                            tables)  # fmt: skip
         if attn.indexer is not None:
             compress_decode(attn.indexer.compressor, attn.index_keys, attn.index_pool_state,
-                            x, positions, slots, tables, ctx.block_size)  # fmt: skip
-            sel = indexer_selection(attn.indexer, x, qr, positions, attn.index_keys, tables,
-                                    ctx.block_size)  # fmt: skip
+                            x, positions, slots, tables)  # fmt: skip
+            sel = indexer_selection(attn.indexer, x, qr, positions, attn.index_keys, tables)
         o = v4_attention_decode(
             q, ring, entries, positions, slots_i32, block_tables, attn.attn_sink,
             window=attn.sliding_window, ratio=attn.compress_ratio or 1, mode=self.mode,
