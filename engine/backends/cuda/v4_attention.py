@@ -96,10 +96,15 @@ class CudaV4AttentionOps(V4AttentionOps):
         if ctx.state_slots is None:
             raise ValueError("V4 attention needs each sequence's state slot (ctx.state_slots)")
         from kernels.triton.v4_attention import v4_attention_decode
+        from kernels.triton.v4_qkv import v4_o_epilogue, v4_q_prologue
 
         slots, slots_i32, tables = ctx.shared("v4-decode-indices", lambda: decode_indices(ctx))
+        # the layer's `query`: one launch after the projections
+        qr = attn.q_norm(attn.wq_a(x))  # [B, q_lora_rank]
+        q = v4_q_prologue(attn.wq_b(qr), positions, attn.inv_freq, attn.eps, attn.num_heads)
+        # kv through the torch ops: the ring must hold the bits the prefill path writes
+        # (v4_kv_prologue's cos/sin round differently under the interpreter)
         cos, sin = attn.cos_sin(positions)
-        q, qr = attn.query(x, cos, sin)  # [B, H, head_dim], [B, q_lora_rank]
         kv = attn.key_value(x, cos, sin)  # [B, head_dim]
         ring = attn.ring
         ring[slots, positions % ring.shape[1]] = kv.to(ring.dtype)
@@ -117,7 +122,11 @@ class CudaV4AttentionOps(V4AttentionOps):
             window=attn.sliding_window, ratio=attn.compress_ratio or 1, mode=self.mode,
             sel=sel, max_position=self.max_position,
         )  # fmt: skip
-        return attn.output(o, cos, sin)
+        # the layer's `output`: de-rotation and the grouped wo_a in two launches, then wo_b
+        wo_a = attn.wo_a.weight  # the family keeps it in float (dequantized at load)
+        if attn.wo_a.format.name != "unquantized":
+            wo_a = attn.wo_a.format.dequantize(attn.wo_a)
+        return attn.wo_b(v4_o_epilogue(o, positions, attn.inv_freq, wo_a.to(o.dtype)))
 
 
 @register("v4_attention", "cuda")
