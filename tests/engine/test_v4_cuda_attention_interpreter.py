@@ -108,7 +108,7 @@ def test_each_layer_leaves_the_torch_ops_state(hf, dtype, tol):
             where = f"step {step}, layer {i}"
             assert relative_error(got.float(), want.float()) < tol, where
             for n, t in layer_state(attn).items():
-                if n in ("entries", "index_keys"):
+                if n in ("entries", "index_keys", "ring"):  # kernels' exp / cos round their way
                     assert relative_error(t.float(), after[n].float()) < tol, f"{where}: {n}"
                 else:
                     assert torch.equal(t, after[n]), f"{where}: {n}"

@@ -6,9 +6,11 @@ ctx.state_slots, ctx.block_tables) and takes every launch shape from sizes known
 the step (B, the block tables' width, index_topk, max_model_len), so it never syncs the
 host and a CUDA graph can capture it:
 
-1. q, qr and the roped kv of all B rows (the layer's `query`, `key_value`);
-2. kv into the ring at [slot, pos % ring_size], before the read: the attention kernel
-   finds the query's own key there;
+1. q, qr of all B rows (the layer's `query`, its unit RMS and rope one launch,
+   kernels/triton/v4_qkv.py);
+2. the roped kv (the layer's `key_value`, one launch) written in the same launch into
+   the ring at [slot, pos % ring_size], before the read: the attention kernel finds the
+   query's own key there;
 3. each compressor (the CSA indexer's too), one kernel launch after its projections
    (kernels/triton/v4_compress.py): the token's (kv, score + ape[pos % m]) into its
    pooling state at row pos % reach, and a row whose token closes its window
@@ -96,18 +98,19 @@ class CudaV4AttentionOps(V4AttentionOps):
         if ctx.state_slots is None:
             raise ValueError("V4 attention needs each sequence's state slot (ctx.state_slots)")
         from kernels.triton.v4_attention import v4_attention_decode
-        from kernels.triton.v4_qkv import v4_o_epilogue, v4_q_prologue
+        from kernels.triton.v4_qkv import v4_kv_prologue, v4_o_epilogue, v4_q_prologue
 
         slots, slots_i32, tables = ctx.shared("v4-decode-indices", lambda: decode_indices(ctx))
         # the layer's `query`: one launch after the projections
         qr = attn.q_norm(attn.wq_a(x))  # [B, q_lora_rank]
         q = v4_q_prologue(attn.wq_b(qr), positions, attn.inv_freq, attn.eps, attn.num_heads)
-        # kv through the torch ops: the ring must hold the bits the prefill path writes
-        # (v4_kv_prologue's cos/sin round differently under the interpreter)
-        cos, sin = attn.cos_sin(positions)
-        kv = attn.key_value(x, cos, sin)  # [B, head_dim]
+        # the layer's `key_value` and the ring write in one launch (its cos/sin may differ
+        # from torch's by an ulp in the rope dims: a decode step's key equals the prefill
+        # path's to rounding, not bit for bit)
         ring = attn.ring
-        ring[slots, positions % ring.shape[1]] = kv.to(ring.dtype)
+        kv_norm = attn.kv_norm
+        v4_kv_prologue(attn.wkv(x), kv_norm.weight, kv_norm.eps, positions, attn.inv_freq,
+                       ring, slots)  # fmt: skip
         entries = block_tables = sel = None
         if attn.compressor is not None:
             entries, block_tables = attn.entries, tables
