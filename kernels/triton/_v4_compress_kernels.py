@@ -128,16 +128,16 @@ def v4_compress_decode_kernel(
         acc_e = tl.zeros((HALF,), tl.float32)
         acc_o = tl.zeros((HALF,), tl.float32)
         for s0 in range(0, S, BLOCK_S):
-            kv, sc = _slot_tile(state_row, kv_row, score_row, ape_row, pos, start, s0, offs_s,
+            slot_kv, sc = _slot_tile(state_row, kv_row, score_row, ape_row, pos, start, s0, offs_s,
                                 even, reach, stride_sr, stride_s2, RATIO, D, OVERLAP)  # fmt: skip
             p = tl.exp(sc - max_e[None, :])
             sum_e += tl.sum(p, axis=0)
-            acc_e += tl.sum(kv * p, axis=0)
-            kv, sc = _slot_tile(state_row, kv_row, score_row, ape_row, pos, start, s0, offs_s,
+            acc_e += tl.sum(slot_kv * p, axis=0)
+            slot_kv, sc = _slot_tile(state_row, kv_row, score_row, ape_row, pos, start, s0, offs_s,
                                 odd, reach, stride_sr, stride_s2, RATIO, D, OVERLAP)  # fmt: skip
             p = tl.exp(sc - max_o[None, :])
             sum_o += tl.sum(p, axis=0)
-            acc_o += tl.sum(kv * p, axis=0)
+            acc_o += tl.sum(slot_kv * p, axis=0)
         a = acc_e / sum_e
         c = acc_o / sum_o
         # RMSNorm over the d channels, times the norm weight
