@@ -12,8 +12,7 @@ import triton.language as tl
 def hc_project_kernel(
     x_ptr,  # [T, K] the flattened streams (K contiguous)
     fn_ptr,  # [M, K] float32
-    part_ptr,  # [SPLITS, T, M_PAD] float32 out: this split's x . fn rows
-    sq_ptr,  # [SPLITS, T] float32 out: this split's sum of x^2
+    part_ptr,  # [SPLITS, T, M_PAD] float32 out: this split's x . fn rows, sum of x^2 at M
     T,
     K,
     M,
@@ -29,6 +28,7 @@ def hc_project_kernel(
     """Grid (cdiv(T, BLOCK_T), SPLITS): BLOCK_T tokens against one K_PER_SPLIT slice of fn,
     so a launch reads fn cdiv(T, BLOCK_T) times (from memory once, then from L2), not per token.
     Each split writes its own partials: no atomics, and a token's sums do not depend on T.
+    The sum of squares goes in the row's spare column M (M_PAD > M), one store per row.
     SUM_DOT (the interpreter only): the dot as a product summed over K. The interpreter's
     tl.dot is numpy's matmul, whose OpenBLAS kernels give a row other bits at another row
     of the tile, so a token alone would differ from the same token in a batch."""
@@ -57,35 +57,37 @@ def hc_project_kernel(
         else:
             acc = tl.dot(x, w, acc, input_precision=PRECISION)
         sq += tl.sum(x * x, axis=1)
+    acc = tl.where(offs_m[None, :] == M, sq[:, None], acc)
     offs_s = split.to(tl.int64) * T + offs_t
     tl.store(part_ptr + offs_s[:, None] * M_PAD + offs_m[None, :], acc, mask=t_mask[:, None])
-    tl.store(sq_ptr + offs_s, sq, mask=t_mask)
 
 
 @triton.jit
-def _split_sum_row(part_ptr, t, T, cols, col_mask, SPLITS, SPLITS_PAD: tl.constexpr, M_PAD):
-    """cols [N] -> sum over the splits of part[s, t, cols], in a fixed order."""
-    offs_s = tl.arange(0, SPLITS_PAD)
-    rows = (offs_s.to(tl.int64) * T + t) * M_PAD  # [SPLITS_PAD]
-    mask = (offs_s < SPLITS)[:, None] & col_mask[None, :]
-    return tl.sum(tl.load(part_ptr + rows[:, None] + cols[None, :], mask=mask, other=0.0), axis=0)
+def _split_sum(part_ptr, t, T, cols, col_mask, SPLITS, M_PAD, SPLIT_CHUNK: tl.constexpr):
+    """cols [N] -> sum over the splits of part[s, t, cols]: SPLIT_CHUNK splits per load
+    (registers bounded for any SPLITS), the chunks added in split order."""
+    acc = tl.zeros(cols.shape, dtype=tl.float32)
+    for s0 in range(0, SPLITS, SPLIT_CHUNK):
+        offs_s = s0 + tl.arange(0, SPLIT_CHUNK)
+        rows = (offs_s.to(tl.int64) * T + t) * M_PAD  # [SPLIT_CHUNK]
+        mask = (offs_s < SPLITS)[:, None] & col_mask[None, :]
+        part = tl.load(part_ptr + rows[:, None] + cols[None, :], mask=mask, other=0.0)
+        acc += tl.sum(part, axis=0)
+    return acc
 
 
 @triton.jit
-def _split_sum_grid(part_ptr, t, T, cols, col_mask, SPLITS, SPLITS_PAD: tl.constexpr, M_PAD):
-    """cols [N, N] -> sum over the splits of part[s, t, cols], in a fixed order."""
-    offs_s = tl.arange(0, SPLITS_PAD)
-    rows = (offs_s.to(tl.int64) * T + t) * M_PAD  # [SPLITS_PAD]
-    mask = (offs_s < SPLITS)[:, None, None] & col_mask[None, :, :]
-    ptrs = part_ptr + rows[:, None, None] + cols[None, :, :]
-    return tl.sum(tl.load(ptrs, mask=mask, other=0.0), axis=0)
+def _pick(vec, offs, idx):
+    """vec [N] -> vec[idx] for an index tile of any shape (a masked sum: registers cannot
+    be indexed)."""
+    hit = tl.expand_dims(idx, len(idx.shape)) == offs
+    return tl.sum(tl.where(hit, vec, 0.0), axis=len(idx.shape))
 
 
 @triton.jit
 def hc_mix_collapse_kernel(
     x_ptr,  # [T, C, D] streams (D contiguous)
-    part_ptr,  # [SPLITS, T, M_PAD] float32
-    sq_ptr,  # [SPLITS, T] float32
+    part_ptr,  # [SPLITS, T, M_PAD] float32 (column M: the split's sum of squares)
     base_ptr,  # [M] float32
     scale_ptr,  # [3] float32 ([1] for the head)
     out_ptr,  # [T, D] the collapse, streams' dtype
@@ -95,6 +97,7 @@ def hc_mix_collapse_kernel(
     C,
     D,
     K,
+    M,
     SPLITS,
     sinkhorn_iters,
     hc_eps,
@@ -104,65 +107,75 @@ def hc_mix_collapse_kernel(
     stride_out,
     M_PAD: tl.constexpr,
     C_PAD: tl.constexpr,
-    SPLITS_PAD: tl.constexpr,
+    P_PAD: tl.constexpr,
+    SPLIT_CHUNK: tl.constexpr,
     BLOCK_D: tl.constexpr,
     HAS_COMB: tl.constexpr,
 ):
-    """Grid (T, cdiv(D, BLOCK_D)): every program of a token derives the same mixes from the
-    partials (a few hundred flops) and collapses its BLOCK_D columns; the first writes post
-    and comb. The Sinkhorn order is engine/ops/hyper_connections.py's: row softmax + eps, a
-    column normalisation, then sinkhorn_iters - 1 rounds of (rows, columns)."""
+    """Grid (T, cdiv(D, BLOCK_D) + HAS_COMB): a token's first cdiv(D, BLOCK_D) programs
+    each add the pre mixes and the sum of squares over the splits and collapse BLOCK_D
+    columns; its last (HAS_COMB) adds all M_PAD columns and writes post and comb, so the
+    serial Sinkhorn runs beside the collapse, not before it. The collapse programs all add
+    the same [SPLIT_CHUNK, P_PAD] tiles, so pre is the same bits in each; the mix program's
+    rstd (a wider tile, another reduction tree) may round apart from theirs, which is still
+    a function of the token alone. The Sinkhorn order
+    is engine/ops/hyper_connections.py's: row softmax + eps, a column normalisation, then
+    sinkhorn_iters - 1 rounds of (rows, columns). Launched with one warp: a [C, C] tile's
+    sums are then shuffles, not shared-memory round trips, 2 * sinkhorn_iters times."""
     t = tl.program_id(0)
     pid_d = tl.program_id(1)
     offs_c = tl.arange(0, C_PAD)
     c_mask = offs_c < C
-    offs_s = tl.arange(0, SPLITS_PAD)
-    sq = tl.sum(tl.load(sq_ptr + offs_s.to(tl.int64) * T + t, mask=offs_s < SPLITS, other=0.0))
-    rstd = 1.0 / tl.sqrt(sq / K + norm_eps)
+    n_dblocks = tl.cdiv(D, BLOCK_D)
 
-    mix_pre = _split_sum_row(part_ptr, t, T, offs_c, c_mask, SPLITS, SPLITS_PAD, M_PAD)
-    scale_pre = tl.load(scale_ptr)
-    base_pre = tl.load(base_ptr + offs_c, mask=c_mask, other=0.0)
-    pre = tl.sigmoid(mix_pre * rstd * scale_pre + base_pre) + hc_eps
-    pre = tl.where(c_mask, pre, 0.0)  # [C_PAD]
+    if HAS_COMB and pid_d == n_dblocks:  # the mix program
+        offs_m = tl.arange(0, M_PAD)
+        mix = _split_sum(part_ptr, t, T, offs_m, offs_m <= M, SPLITS, M_PAD, SPLIT_CHUNK)
+        rstd = 1.0 / tl.sqrt(tl.sum(tl.where(offs_m == M, mix, 0.0)) / K + norm_eps)
+        mix_post = _pick(mix, offs_m, C + offs_c)  # [C_PAD]
+        base_post = tl.load(base_ptr + C + offs_c, mask=c_mask, other=0.0)
+        post = 2.0 * tl.sigmoid(mix_post * rstd * tl.load(scale_ptr + 1) + base_post)
+        tl.store(post_ptr + t.to(tl.int64) * C + offs_c, post, mask=c_mask)
 
-    if HAS_COMB:  # noqa: SIM102 (compile-time: the head has no post or comb code)
-        if pid_d == 0:
-            mix_post = _split_sum_row(part_ptr, t, T, C + offs_c, c_mask, SPLITS, SPLITS_PAD, M_PAD)
-            base_post = tl.load(base_ptr + C + offs_c, mask=c_mask, other=0.0)
-            post = 2.0 * tl.sigmoid(mix_post * rstd * tl.load(scale_ptr + 1) + base_post)
-            tl.store(post_ptr + t.to(tl.int64) * C + offs_c, post, mask=c_mask)
-
-            cell = offs_c[:, None] * C + offs_c[None, :]  # [C_PAD, C_PAD]: (row i, column k)
-            valid = c_mask[:, None] & c_mask[None, :]
-            mix_comb = _split_sum_grid(
-                part_ptr, t, T, 2 * C + cell, valid, SPLITS, SPLITS_PAD, M_PAD
-            )
-            base_comb = tl.load(base_ptr + 2 * C + cell, mask=valid, other=0.0)
-            logits = mix_comb * rstd * tl.load(scale_ptr + 2) + base_comb
-            # Padded cells: -1e30 keeps a padded row's softmax finite and a real row's zero.
-            logits = tl.where(valid, logits, -1e30)
-            e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
-            comb = tl.where(valid, e / tl.sum(e, axis=1)[:, None] + hc_eps, 0.0)
+        cell = offs_c[:, None] * C + offs_c[None, :]  # [C_PAD, C_PAD]: (row i, column k)
+        valid = c_mask[:, None] & c_mask[None, :]
+        mix_comb = _pick(mix, offs_m, 2 * C + cell)  # [C_PAD, C_PAD]
+        base_comb = tl.load(base_ptr + 2 * C + cell, mask=valid, other=0.0)
+        logits = mix_comb * rstd * tl.load(scale_ptr + 2) + base_comb
+        # Padded cells: -1e30 keeps a padded row's softmax finite and a real row's zero.
+        logits = tl.where(valid, logits, -1e30)
+        e = tl.exp(logits - tl.max(logits, axis=1)[:, None])
+        comb = tl.where(valid, e / tl.sum(e, axis=1)[:, None] + hc_eps, 0.0)
+        comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
+        for _ in range(sinkhorn_iters - 1):
+            comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
             comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-            for _ in range(sinkhorn_iters - 1):
-                comb = comb / (tl.sum(comb, axis=1)[:, None] + hc_eps)
-                comb = comb / (tl.sum(comb, axis=0)[None, :] + hc_eps)
-            tl.store(comb_ptr + t.to(tl.int64) * C * C + cell, comb, mask=valid)
+        tl.store(comb_ptr + t.to(tl.int64) * C * C + cell, comb, mask=valid)
+    else:
+        # the C pre columns and the sum of squares (column M) in one tile of C + 1
+        offs_p = tl.arange(0, P_PAD)
+        cols = tl.where(offs_p < C, offs_p, M)
+        sums = _split_sum(part_ptr, t, T, cols, offs_p <= C, SPLITS, M_PAD, SPLIT_CHUNK)
+        rstd = 1.0 / tl.sqrt(tl.sum(tl.where(offs_p == C, sums, 0.0)) / K + norm_eps)
+        mix_pre = _pick(sums, offs_p, offs_c)  # [C_PAD]
+        scale_pre = tl.load(scale_ptr)
+        base_pre = tl.load(base_ptr + offs_c, mask=c_mask, other=0.0)
+        pre = tl.sigmoid(mix_pre * rstd * scale_pre + base_pre) + hc_eps
+        pre = tl.where(c_mask, pre, 0.0)  # [C_PAD]
 
-    offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
-    d_mask = offs_d < D
-    x = tl.load(
-        x_ptr + t.to(tl.int64) * stride_xt + offs_c[:, None] * stride_xc + offs_d[None, :],
-        mask=c_mask[:, None] & d_mask[None, :],
-        other=0.0,
-    ).to(tl.float32)  # [C_PAD, BLOCK_D]
-    out = tl.sum(pre[:, None] * x, axis=0)
-    tl.store(
-        out_ptr + t.to(tl.int64) * stride_out + offs_d,
-        out.to(out_ptr.dtype.element_ty),
-        mask=d_mask,
-    )
+        offs_d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+        d_mask = offs_d < D
+        x = tl.load(
+            x_ptr + t.to(tl.int64) * stride_xt + offs_c[:, None] * stride_xc + offs_d[None, :],
+            mask=c_mask[:, None] & d_mask[None, :],
+            other=0.0,
+        ).to(tl.float32)  # [C_PAD, BLOCK_D]
+        out = tl.sum(pre[:, None] * x, axis=0)
+        tl.store(
+            out_ptr + t.to(tl.int64) * stride_out + offs_d,
+            out.to(out_ptr.dtype.element_ty),
+            mask=d_mask,
+        )
 
 
 @triton.jit

@@ -5,24 +5,36 @@ kernels/reference/hyper_connections.py. Legend: docs/shapes.md (T tokens, C stre
 hidden); K = C * D, M = the rows of fn. The @triton.jit bodies are in
 _hyper_connections_kernels.py.
 
-`hc_pre` is two launches. The projection (grid cdiv(T, BLOCK_T) x SPLITS) reads BLOCK_T
-tokens' flattened streams against one K_PER_SPLIT slice of fn and writes the split's M dot
-products and sum of squares per token; the mix kernel (grid T x cdiv(D, BLOCK_D)) adds the
-splits in a fixed order, scales by the rsqrt (project first, scale after: the twin's order,
-a few ulps from the torch ops' normalise-then-project), takes the sigmoids and exactly
-`sinkhorn_iters` Sinkhorn rounds in registers, and collapses its columns. Every launch
-parameter is a constant or a weight shape, and no program's sums depend on another token,
-so a token's results are the same bits in any batch.
+`hc_pre` is two launches, both sized for decode (T <= 16) without a T-dependent path.
+The projection (grid cdiv(T, BLOCK_T) x SPLITS, SPLITS = K / K_PER_SPLIT: 128 for V4-Flash)
+reads BLOCK_T tokens' flattened streams against one 128-wide K slice of fn (12 KiB of the
+1.5 MiB) and writes the split's M dot products, with the sum of squares in the spare column
+M. At T = 1 that is 128 programs, about one per SM, each with its whole slice in flight at
+once (4 BLOCK_K steps, PROJECT_STAGES deep): fn arrives at copy speed in about one memory
+latency. The mix kernel (grid T x (cdiv(D, BLOCK_D) + 1), one warp per program) adds the
+splits in a fixed order (SPLIT_CHUNK per load, the loads in split order). A token's first
+programs take the pre mixes and the rsqrt (project first, scale after: the twin's order, a
+few ulps from the torch ops' normalise-then-project) and collapse BLOCK_D columns each; its
+last takes post and exactly `sinkhorn_iters` Sinkhorn rounds beside them, so the serial
+Sinkhorn delays no collapse, and on one warp its 2 * sinkhorn_iters [C, C] sums are
+register shuffles. The split count depends on K alone, BLOCK_T is fixed, and no program's
+sums depend on another token, so a token's results are the same bits in any batch. One
+launch (the last-arriving split reducing, as _arrival_counters.py allows) would put the
+Sinkhorn and the collapse of a whole token block on one program: fine at T = 1, ~100 us at
+T = 256.
 
 The floor (V4-Flash: C = 4, D = 4096, K = 16384, M = 24, bf16 streams), bytes per token:
   hc_pre   streams C*D*2 = 32 KiB read for the projection and again for the collapse (from
            L2 at decode: 256 tokens are 8 MiB); x D*2 = 8 KiB written; partials
-           SPLITS*32*4 = 4 KiB written and read back; plus fn 24*16384*4 = 1.5 MiB per
-           launch, read from memory once (cdiv(T, BLOCK_T) times from L2), so amortised
-           over T: 1.5 MiB / T (6 KiB at T = 256).
+           SPLITS*32*4 = 16 KiB written and read back (from L2; the price of 128 splits);
+           plus fn 24*16384*4 = 1.5 MiB per launch, read from memory once (cdiv(T, BLOCK_T)
+           times from L2), so amortised over T: 1.5 MiB / T (6 KiB at T = 256).
   hc_post  streams 32 KiB + y 8 KiB read, next streams 32 KiB written.
-At T = 256 that is ~12.5 MiB for hc_pre and 18 MiB for hc_post: ~2.7 us and ~3.9 us at
-4.8 TB/s (H200). The projection's flops (T * M * K, tf32x3 on tensor cores) are far below.
+At T = 1 hc_pre's ~1.6 MiB is 0.35 us at 4.8 TB/s (H200), below the launches' latency
+chains (a memory round trip each, then 2 * sinkhorn_iters dependent [C, C] sums): ~2 us a
+launch is the practical floor there. At T = 256, counting each tensor once, that is
+~15.5 MiB for hc_pre and 18 MiB for hc_post: ~3.4 us and ~3.9 us. The projection's flops
+(T * M * K, tf32x3 on tensor cores) are far below.
 """
 
 from __future__ import annotations
@@ -38,8 +50,10 @@ from kernels.triton._hyper_connections_kernels import (
 )
 
 BLOCK_T = 64  # tokens per projection program: fn is read once per 64 tokens
-BLOCK_K = 64
-K_PER_SPLIT = 512  # K per projection program: V4-Flash's K = 16384 is 32 splits
+BLOCK_K = 32  # 4 steps per split, all in flight at once (PROJECT_STAGES); 64 spills on sm_90
+PROJECT_STAGES = 5
+K_PER_SPLIT = 128  # K per projection program: V4-Flash's K = 16384 is 128 splits
+SPLIT_CHUNK = 128  # splits the mix kernel adds per load: V4-Flash's all in one
 BLOCK_D = 512  # collapse columns per mix program
 POST_BLOCK_D = 256
 # The projection's float32 dot on tensor cores with ~float32 accuracy (three tf32 products;
@@ -83,24 +97,24 @@ def _mixes_and_collapse(
     post = torch.empty((T, C), dtype=torch.float32, device=streams.device) if has_comb else None
     comb = torch.empty((T, C, C), dtype=torch.float32, device=streams.device) if has_comb else None
     if T:
-        m_pad = max(16, next_pow2(M))  # tl.dot's smallest N
+        m_pad = max(16, next_pow2(M + 1))  # tl.dot's smallest N; column M holds sum(x^2)
         splits = triton.cdiv(K, k_per_split)
         part = torch.empty((splits, T, m_pad), dtype=torch.float32, device=streams.device)
-        sq = torch.empty((splits, T), dtype=torch.float32, device=streams.device)
         hc_project_kernel[(triton.cdiv(T, BLOCK_T), splits)](
-            x3, fn, part, sq,
+            x3, fn, part,
             T, K, M, k_per_split,
             x3.stride(0), fn.stride(0),
             BLOCK_T=BLOCK_T, BLOCK_K=BLOCK_K, M_PAD=m_pad,
             PRECISION=DOT_PRECISION, SUM_DOT=interpreting(), num_warps=4,
+            num_stages=PROJECT_STAGES,
         )  # fmt: skip
-        hc_mix_collapse_kernel[(T, triton.cdiv(D, BLOCK_D))](
-            x3, part, sq, base, scale, out,
+        hc_mix_collapse_kernel[(T, triton.cdiv(D, BLOCK_D) + has_comb)](
+            x3, part, base, scale, out,
             post if has_comb else out, comb if has_comb else out,
-            T, C, D, K, splits, sinkhorn_iters, hc_eps, norm_eps,
+            T, C, D, K, M, splits, sinkhorn_iters, hc_eps, norm_eps,
             x3.stride(0), x3.stride(1), out.stride(0),
-            M_PAD=m_pad, C_PAD=next_pow2(C), SPLITS_PAD=next_pow2(splits), BLOCK_D=BLOCK_D,
-            HAS_COMB=has_comb, num_warps=4,
+            M_PAD=m_pad, C_PAD=next_pow2(C), P_PAD=next_pow2(C + 1), SPLIT_CHUNK=SPLIT_CHUNK,
+            BLOCK_D=BLOCK_D, HAS_COMB=has_comb, num_warps=1,
         )  # fmt: skip
     lead = streams.shape[:-2]
     return (
@@ -122,7 +136,8 @@ def hc_pre(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """streams [..., C, D] (bf16/fp16/float32), fn [(2 + C) * C, C * D] float32, base
     [(2 + C) * C], scale [3] -> (x [..., D] streams' dtype, post [..., C] float32, comb
-    [..., C, C] float32). `k_per_split` is part of a token's rounding: keep it fixed."""
+    [..., C, C] float32). `k_per_split` is part of a token's rounding: keep it fixed (a
+    multiple of BLOCK_K; K / k_per_split programs per BLOCK_T tokens read fn)."""
     x, post, comb = _mixes_and_collapse(
         streams, fn, base, scale, sinkhorn_iters, hc_eps, norm_eps, True, k_per_split
     )

@@ -62,13 +62,32 @@ def test_pre_matches_twin(T, D, dtype):
     fn, base, scale = _weights(C, D, (2 + C) * C, 3, seed=T + D)
     streams = _streams(T, C, D, dtype, seed=T * D)
     want = hc_pre_reference(streams, fn, base, scale, ITERS, HC_EPS, EPS)
-    # several splits of K (64 per program) and the default one split at these sizes
+    # several splits of K (64 per program) and one split at these sizes
     for k_per_split in (64, 512):
         x, post, comb = hc_pre(streams, fn, base, scale, ITERS, HC_EPS, EPS, k_per_split)
         assert x.dtype == dtype and post.dtype == comb.dtype == torch.float32
         torch.testing.assert_close(post, want[1], rtol=0, atol=1e-5)
         torch.testing.assert_close(comb, want[2], rtol=0, atol=1e-5)
         torch.testing.assert_close(x, want[0], **_x_tol(dtype))
+
+
+@pytest.mark.parametrize(
+    ("D", "k_per_split"),
+    [(2560, 64), (4096, None)],  # 160 splits (a load of 128 and a part of one); V4's K: 128
+)
+def test_pre_adds_more_splits_than_one_load_holds(D, k_per_split):
+    C, T = 4, 2
+    fn, base, scale = _weights(C, D, (2 + C) * C, 3, seed=D)
+    streams = _streams(T, C, D, torch.bfloat16, seed=D + 1)
+    want = hc_pre_reference(streams, fn, base, scale, ITERS, HC_EPS, EPS)
+    split = {} if k_per_split is None else {"k_per_split": k_per_split}
+    x, post, comb = hc_pre(streams, fn, base, scale, ITERS, HC_EPS, EPS, **split)
+    torch.testing.assert_close(post, want[1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(comb, want[2], rtol=0, atol=1e-5)
+    torch.testing.assert_close(x, want[0], **_x_tol(torch.bfloat16))
+    alone = hc_pre(streams[1:], fn, base, scale, ITERS, HC_EPS, EPS, **split)
+    for got, batch in zip(alone, (x, post, comb), strict=True):
+        assert torch.equal(got, batch[1:])
 
 
 def test_pre_pads_three_streams_and_keeps_leading_dims():
