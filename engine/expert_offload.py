@@ -77,7 +77,9 @@ def choose_placement(engine_config, model_cls, source, device: torch.device, dty
     else:
         placement = load_placement(mode)
         placement.check(shapes, f"expert placement {mode}")
-    summary = placement.summary(shapes, routes)
+    on_gpu_run = placement.offloads and device.type == "cuda"
+    threads = _give_the_cores_to_the_host_experts() if on_gpu_run else {}
+    summary = placement.summary(shapes, routes) | threads
     summary["mode"] = "auto" if mode == "auto" else "file"
     summary["dense_bytes"] = dense
     share = summary["expected_host_route_share"]
@@ -103,3 +105,22 @@ def _device_budget(engine_config, device, dense: int, shapes: list[MoeLayerShape
     stacking = max(s.num_experts * s.bytes_per_expert * 2 // 3 for s in shapes)
     budget = int(free * FREE_MEMORY_SHARE) - dense - kv - WORKSPACE_RESERVE_BYTES - stacking
     return max(budget, 0)
+
+
+# torch's own CPU pool on a GPU run with host experts: the host's work is the expert
+# kernel's (numba's pool); a small torch pool keeps the two from spinning on each other's
+# cores (docs/notes-cpu-decode.md).
+TORCH_THREADS_WITH_HOST_EXPERTS = 2
+
+
+def _give_the_cores_to_the_host_experts() -> dict:
+    import os
+
+    import numba
+
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
+    torch_threads = min(TORCH_THREADS_WITH_HOST_EXPERTS, cores)
+    torch.set_num_threads(torch_threads)
+    numba_threads = max(1, min(numba.config.NUMBA_NUM_THREADS, cores - torch_threads))
+    numba.set_num_threads(numba_threads)
+    return {"torch_threads": torch_threads, "numba_threads": numba_threads}

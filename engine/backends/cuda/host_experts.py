@@ -18,6 +18,7 @@ with host experts runs its decode steps eagerly (CudaMoeOps.captures_decode).
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import torch
@@ -33,12 +34,24 @@ class _InFlight:
     ready: torch.cuda.Event
 
 
+@dataclass
+class SplitTimes:
+    """Seconds the host spent per layer call, summed: waiting for the routing and inputs
+    to reach pinned memory (`wait_s`), and computing its experts (`cpu_s`)."""
+
+    calls: int = 0
+    wait_s: float = 0.0
+    cpu_s: float = 0.0
+    pairs: int = 0  # (token, expert) pairs computed on the host
+
+
 class SplitExperts:
     """The GPU-side bookkeeping of one layer's split: the global -> device slot map on the
     device, and the pinned transfers."""
 
     def __init__(self, experts, device: torch.device) -> None:
         self.experts = experts
+        self.times = SplitTimes()
         slot_of = experts.gate_proj.device_slot_of
         self.device_slot = torch.tensor(slot_of, dtype=torch.int32, device=device)
         self.num_device = len(experts.gate_proj.device_ids)
@@ -72,6 +85,13 @@ class SplitExperts:
     def finish_host(self, flight: _InFlight, device: torch.device) -> torch.Tensor:
         """Wait for the inputs (not for the GPU's experts), compute the host experts on the
         CPU, and return their share [T, D] float32 on the device."""
+        t0 = time.perf_counter()
         flight.ready.synchronize()
+        t1 = time.perf_counter()
         part = host_experts_part(self.experts, flight.x, flight.weights, flight.ids)
+        times = self.times
+        times.calls += 1
+        times.wait_s += t1 - t0
+        times.cpu_s += time.perf_counter() - t1
+        times.pairs += int((self.experts.host.slot_of[flight.ids.long()] >= 0).sum())
         return part.pin_memory().to(device, non_blocking=True)
