@@ -16,7 +16,10 @@ import math
 
 import numba
 import numpy as np
-from numba import float32, int8, int32, prange, uint8, void
+from llvmlite import binding as llvm
+from numba import float32, int8, int32, int64, prange, uint8, void
+
+from kernels.cpu._vnni_block_dot import MAX_TOKENS, WEIGHT_OFFSET, block_dot
 
 ROWS = 4  # R: rows per row block; R x 16 bytes = one 64-byte line per 32-value block
 GROUP = 32  # values per E8M0 scale and per int8 activation scale
@@ -28,6 +31,11 @@ CHUNK_BLOCKS = 16
 PAIR_TILE = 8
 FP8_BLOCK = 128
 LANES = 16  # float lanes of the FP8 dot (one AVX-512 vector of float32)
+LANES_PER_ROW = 4  # int32 lanes of one row's 16 bytes in a 64-byte VNNI line
+
+# The VNNI inner loop needs AVX-512 BW (vpshufb on 64 bytes) and VNNI (vpdpbusd).
+_FEATURES = llvm.get_host_cpu_features()
+VNNI = bool(_FEATURES.get("avx512bw") and _FEATURES.get("avx512vnni"))
 
 _JIT = {"nogil": True, "cache": True, "boundscheck": False}
 
@@ -71,11 +79,15 @@ def _swiglu(gate, up, limit):
     return g / (float32(1.0) + math.exp(-g)) * u
 
 
-@numba.njit(void(float32[:, ::1], int8[:, ::1], float32[:, ::1]), parallel=True, **_JIT)
-def quantize_rows(x, q, half_step):
+@numba.njit(
+    void(float32[:, ::1], int8[:, ::1], float32[:, ::1], int32[:, ::1]), parallel=True, **_JIT
+)
+def quantize_rows(x, q, half_step, lane_sums):
     """Per row per 32 values: step = max(amax, 1e-30) / 127, q = x / step rounded to nearest
     (ties away from zero), clamped to +-127; half_step = step / 2 (undoes the x 2 of the
-    E2M1 decode). x [N, C], q [N, C], half_step [N, C/32]."""
+    E2M1 decode); lane_sums[row, 4 b + l] = WEIGHT_OFFSET x the sum of block b's codes
+    4l..4l+3 and 16+4l..16+4l+3 (what the VNNI kernel's unsigned weights add).
+    x [N, C], q [N, C], half_step [N, C/32], lane_sums [N, C/8]."""
     n, c = x.shape
     for row in prange(n):
         for b in range(c // GROUP):
@@ -88,30 +100,59 @@ def quantize_rows(x, q, half_step):
                 v = math.trunc(v + float32(0.5)) if v >= 0 else math.trunc(v - float32(0.5))
                 q[row, b * GROUP + j] = int8(max(min(v, float32(127.0)), float32(-127.0)))
             half_step[row, b] = step * float32(0.5)
+            for lane in range(LANES_PER_ROW):
+                total = 0
+                for j in range(4 * lane, 4 * lane + 4):
+                    total += int32(q[row, b * GROUP + j]) + int32(q[row, b * GROUP + HALF + j])
+                lane_sums[row, b * LANES_PER_ROW + lane] = WEIGHT_OFFSET * total
+
+
+MXFP4_ROWS_SIGNATURE = void(
+    uint8[:, :, :, :, ::1],  # weights [S, N/R, B, rows, 16]
+    uint8[:, :, :, ::1],  # scales [S, N/R, B, rows]
+    int8[:, ::1],  # activations [A, B * 32] (A = tokens or pairs)
+    float32[:, ::1],  # activation half steps [A, B]
+    int32[:, ::1],  # activation lane sums [A, 4 B] (VNNI only)
+    int32[::1],  # active slots [E_active]
+    int32[::1],  # pair offsets per active slot [E_active + 1]
+    int32[::1],  # activation row of each pair [P]
+    float32,  # swiglu limit (gate/up only; inf: none)
+    float32[:, ::1],  # out [P, N / (2 if gate/up else 1)]
+)
+
+
+@numba.njit(float32(float32[:, ::1], int64, int64), inline="always", **_JIT)
+def _fold_lanes(acc, i, first):
+    """A row's result from its 4 lane accumulators: (l0 + l1) + (l2 + l3)."""
+    return (acc[i, first] + acc[i, first + 1]) + (acc[i, first + 2] + acc[i, first + 3])
 
 
 @numba.njit(
-    void(
-        uint8[:, :, :, :, ::1],  # weights [S, N/R, B, rows, 16]
-        uint8[:, :, :, ::1],  # scales [S, N/R, B, rows]
-        int8[:, ::1],  # activations [A, B * 32] (A = tokens or pairs)
-        float32[:, ::1],  # activation half steps [A, B]
-        int32[::1],  # active slots [E_active]
-        int32[::1],  # pair offsets per active slot [E_active + 1]
-        int32[::1],  # activation row of each pair [P]
-        float32,  # swiglu limit (gate/up only; inf: none)
-        float32[:, ::1],  # out [P, N / (2 if gate/up else 1)]
-    ),
-    parallel=True,
+    void(float32[:, ::1], int64, float32[:, ::1], int64, int64, numba.boolean, float32),
+    inline="always",
     **_JIT,
 )
-def mxfp4_rows(w, scales, act, act_step, slots, offsets, act_row, limit, out):
-    """out[p, n] for every pair p of every active slot: the int8 dot of each 32-value block
-    (exact, int32) times the block's activation step and E8M0 scale, summed over the
-    blocks in order. With 2R rows per block (gate/up interleaved) the rows are R gate rows
-    then R up rows and out holds swiglu(gate, up); with R rows out holds the dot."""
+def _store_rows(acc, i, out, p, rb, fused, limit):
+    """out[p, row block rb] from accumulator row i: the R rows' dots, or with fused
+    gate/up swiglu(gate row r, up row r)."""
+    for r in range(ROWS):
+        first = _fold_lanes(acc, i, r * LANES_PER_ROW)
+        if fused:
+            up = _fold_lanes(acc, i, (ROWS + r) * LANES_PER_ROW)
+            out[p, rb * ROWS + r] = _swiglu(first, up, limit)
+        else:
+            out[p, rb * ROWS + r] = first
+
+
+@numba.njit(MXFP4_ROWS_SIGNATURE, parallel=True, **_JIT)
+def mxfp4_rows(w, scales, act, act_step, lane_sums, slots, offsets, act_row, limit, out):
+    """out[p, n] for every pair p of every active slot, portable loops. Each row's 32-value
+    block splits in 4 lanes (lane l: elements 4l..4l+3 and 16+4l..16+4l+3); a lane's int8
+    dot is exact (int32), acc[lane] += float32(dot) * (half_step_b * 2^(e_b - 127)) over
+    the blocks in order, and the row is (l0 + l1) + (l2 + l3): the VNNI kernel's order, so
+    both give the same bits. With 2R rows per block (gate/up interleaved) the rows are R
+    gate rows then R up rows and out holds swiglu(gate, up); with R rows, the dot."""
     row_blocks, blocks, rows = w.shape[1], w.shape[2], w.shape[3]
-    fused = rows == 2 * ROWS
     lut = E2M1_X2
     e8m0 = E8M0_VALUES
     chunks = (row_blocks + CHUNK_BLOCKS - 1) // CHUNK_BLOCKS
@@ -120,7 +161,7 @@ def mxfp4_rows(w, scales, act, act_step, slots, offsets, act_row, limit, out):
         s = slots[a]
         decoded = np.empty((rows, GROUP), dtype=np.int32)
         wscale = np.empty(rows, dtype=np.float32)
-        acc = np.empty((PAIR_TILE, rows), dtype=np.float32)
+        acc = np.empty((PAIR_TILE, rows * LANES_PER_ROW), dtype=np.float32)
         for rb in range(c * CHUNK_BLOCKS, min(row_blocks, (c + 1) * CHUNK_BLOCKS)):
             for p0 in range(offsets[a], offsets[a + 1], PAIR_TILE):
                 p1 = min(offsets[a + 1], p0 + PAIR_TILE)
@@ -136,18 +177,64 @@ def mxfp4_rows(w, scales, act, act_step, slots, offsets, act_row, limit, out):
                         t = act_row[p]
                         step = act_step[t, b]
                         for r in range(rows):
-                            dot = 0
-                            for j in range(GROUP):
-                                dot += int32(act[t, b * GROUP + j]) * decoded[r, j]
-                            acc[p - p0, r] += float32(dot) * (step * wscale[r])
+                            scale = step * wscale[r]
+                            for lane in range(LANES_PER_ROW):
+                                dot = 0
+                                for j in range(4 * lane, 4 * lane + 4):
+                                    dot += int32(act[t, b * GROUP + j]) * decoded[r, j]
+                                    dot += (
+                                        int32(act[t, b * GROUP + HALF + j]) * decoded[r, HALF + j]
+                                    )
+                                acc[p - p0, r * LANES_PER_ROW + lane] += float32(dot) * scale
                 for p in range(p0, p1):
-                    for r in range(ROWS):
-                        if fused:
-                            out[p, rb * ROWS + r] = _swiglu(
-                                acc[p - p0, r], acc[p - p0, ROWS + r], limit
-                            )
-                        else:
-                            out[p, rb * ROWS + r] = acc[p - p0, r]
+                    _store_rows(acc, p - p0, out, p, rb, rows == 2 * ROWS, limit)
+
+
+def _mxfp4_rows_vnni(w, scales, act, act_step, lane_sums, slots, offsets, act_row, limit, out):
+    """mxfp4_rows with the inner loop in AVX-512 VNNI (kernels/cpu/_vnni_block_dot.py), in
+    the same order, so the same bits; up to MAX_TOKENS pairs share each decoded block."""
+    row_blocks, blocks, rows = w.shape[1], w.shape[2], w.shape[3]
+    fused = rows == 2 * ROWS
+    chunks = (row_blocks + CHUNK_BLOCKS - 1) // CHUNK_BLOCKS
+    for item in prange(slots.shape[0] * chunks):
+        a, c = item // chunks, item % chunks
+        s = np.int64(slots[a])
+        acc = np.empty((MAX_TOKENS, 2 * ROWS * LANES_PER_ROW), dtype=np.float32)
+        end = np.int64(offsets[a + 1])
+        for rb in range(c * CHUNK_BLOCKS, min(row_blocks, (c + 1) * CHUNK_BLOCKS)):
+            sc_off = np.int64((s * row_blocks + rb) * blocks * rows)
+            w_off = sc_off * HALF
+            p = np.int64(offsets[a])
+            while p < end:
+                n = min(MAX_TOKENS, end - p)
+                x = (act, lane_sums, act_step, act_row, p, acc)
+                if fused and n == 4:
+                    _DOT_2_4(w, w_off, scales, sc_off, blocks, *x)
+                elif fused and n == 3:
+                    _DOT_2_3(w, w_off, scales, sc_off, blocks, *x)
+                elif fused and n == 2:
+                    _DOT_2_2(w, w_off, scales, sc_off, blocks, *x)
+                elif fused:
+                    _DOT_2_1(w, w_off, scales, sc_off, blocks, *x)
+                elif n == 4:
+                    _DOT_1_4(w, w_off, scales, sc_off, blocks, *x)
+                elif n == 3:
+                    _DOT_1_3(w, w_off, scales, sc_off, blocks, *x)
+                elif n == 2:
+                    _DOT_1_2(w, w_off, scales, sc_off, blocks, *x)
+                else:
+                    _DOT_1_1(w, w_off, scales, sc_off, blocks, *x)
+                for i in range(n):
+                    _store_rows(acc, i, out, p + i, rb, fused, limit)
+                p += n
+
+
+if VNNI:
+    _DOT_1_1, _DOT_1_2, _DOT_1_3, _DOT_1_4 = (block_dot(1, t) for t in range(1, 5))
+    _DOT_2_1, _DOT_2_2, _DOT_2_3, _DOT_2_4 = (block_dot(2, t) for t in range(1, 5))
+    mxfp4_rows_vnni = numba.njit(MXFP4_ROWS_SIGNATURE, parallel=True, **_JIT)(_mxfp4_rows_vnni)
+else:
+    mxfp4_rows_vnni = None
 
 
 @numba.njit(

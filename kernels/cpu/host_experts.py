@@ -257,17 +257,22 @@ def host_experts_forward(experts, x, slot_ids, weights, swiglu_limit, out) -> No
 
 
 def _mxfp4_pairs(e, x, slots, offsets, pair_token, identity, limit, y):
-    t, d = x.shape
-    i = e.intermediate
-    xq = np.empty((t, d), dtype=np.int8)
-    xs = np.empty((t, d // GROUP), dtype=np.float32)
-    _k.quantize_rows(x, xq, xs)
-    h = np.empty((pair_token.size, i), dtype=np.float32)  # [P, I]
-    _k.mxfp4_rows(e.gate_up, e.gate_up_scales, xq, xs, slots, offsets, pair_token, limit, h)
-    hq = np.empty(h.shape, dtype=np.int8)
-    hs = np.empty((h.shape[0], i // GROUP), dtype=np.float32)
-    _k.quantize_rows(h, hq, hs)
-    _k.mxfp4_rows(e.down, e.down_scales, hq, hs, slots, offsets, identity, limit, y)
+    rows = _k.mxfp4_rows_vnni if _k.VNNI else _k.mxfp4_rows
+    xq, xs, xl = _quantized(x)
+    h = np.empty((pair_token.size, e.intermediate), dtype=np.float32)  # [P, I]
+    rows(e.gate_up, e.gate_up_scales, xq, xs, xl, slots, offsets, pair_token, limit, h)
+    hq, hs, hl = _quantized(h)
+    rows(e.down, e.down_scales, hq, hs, hl, slots, offsets, identity, limit, y)
+
+
+def _quantized(x: np.ndarray):
+    """int8 codes [N, C], half steps [N, C/32] and lane sums [N, C/8] of x [N, C]."""
+    n, c = x.shape
+    q = np.empty((n, c), dtype=np.int8)
+    half_step = np.empty((n, c // GROUP), dtype=np.float32)
+    lane_sums = np.empty((n, c // GROUP * _k.LANES_PER_ROW), dtype=np.int32)
+    _k.quantize_rows(x, q, half_step, lane_sums)
+    return q, half_step, lane_sums
 
 
 def _fp8_pairs(e, x, slots, offsets, pair_token, identity, limit, y):

@@ -8,7 +8,12 @@ import pytest
 import torch
 
 from kernels.cpu import _host_experts_kernels as kernels
-from kernels.cpu.host_experts import HostFp8Experts, HostMxfp4Experts, host_experts_forward
+from kernels.cpu.host_experts import (
+    HostFp8Experts,
+    HostMxfp4Experts,
+    _quantized,
+    host_experts_forward,
+)
 from kernels.formats.e8m0 import e8m0_to_float
 from kernels.formats.fp8 import quantize_fp8_block
 from kernels.formats.mxfp4 import quantize_mxfp4
@@ -142,11 +147,37 @@ def test_int8_activations_match_the_twins_rounding_exactly():
     x = torch.randn(5, 96, generator=g) * torch.rand(5, 1, generator=g)
     x[0, :32] = torch.arange(32) - 15.5  # ties (x / step = k + 0.5) round away from zero
     x[1, 32:64] = 0.0  # an all-zero block: the 1e-30 floor
-    q = np.empty((5, 96), dtype=np.int8)
-    half_step = np.empty((5, 3), dtype=np.float32)
-    kernels.quantize_rows(x.numpy(), q, half_step)
+    q, half_step, lane_sums = _quantized(x.numpy())
     steps = torch.from_numpy(half_step).repeat_interleave(32, 1) * 2
     assert torch.equal(torch.from_numpy(q).float() * steps, quantize_int8_blocks(x))
+    # lane l of block b: codes 4l..4l+3 and 16+4l..16+4l+3, times the weight offset 12
+    codes = torch.from_numpy(q).long().view(5, 3, 2, 4, 4)  # [N, B, half, lane, 4]
+    want = codes.sum(dim=(2, 4)).view(5, 12) * 12
+    assert torch.equal(torch.from_numpy(lane_sums).long(), want)
+
+
+@pytest.mark.skipif(not kernels.VNNI, reason="needs AVX-512 BW + VNNI")
+@pytest.mark.parametrize("fused", [True, False])
+def test_vnni_kernel_gives_the_portable_kernels_bits(fused):
+    hidden, intermediate, slots = 96, 64, 3
+    experts = _host(HostMxfp4Experts, _stored(quantize_mxfp4, slots, hidden, intermediate, seed=61))
+    if fused:
+        w, s, width, out_width = experts.gate_up, experts.gate_up_scales, hidden, intermediate
+    else:
+        w, s, width, out_width = experts.down, experts.down_scales, intermediate, hidden
+    # 11 activation rows read by 2 + 7 + 5 pairs: token tiles of 4, 3, 2 and 1
+    g = torch.Generator().manual_seed(62)
+    act = _quantized((torch.randn(11, width, generator=g) * 3).numpy())
+    slot_list = np.array([2, 0, 1], dtype=np.int32)
+    offsets = np.array([0, 2, 9, 14], dtype=np.int32)
+    act_row = torch.randint(0, 11, (14,), generator=g, dtype=torch.int32).numpy()
+    outs = []
+    for rows in (kernels.mxfp4_rows, kernels.mxfp4_rows_vnni):
+        out = np.full((14, out_width), np.nan, dtype=np.float32)
+        rows(w, s, *act, slot_list, offsets, act_row, np.float32(0.5), out)
+        outs.append(torch.from_numpy(out))
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1])
 
 
 def test_decode_tables_equal_the_formats():
