@@ -67,7 +67,7 @@ def routed_experts_forward(
         out.index_add_(0, rows, y.to(out.dtype))
         start += count
     if experts.host is not None:
-        out += host_experts_part(experts, x, weights, ids).to(out.dtype)
+        out += host_experts_part(experts, x, weights, ids).to(out.device, out.dtype)
     return out
 
 
