@@ -8,6 +8,7 @@ host CPU against all on the GPU. Writes offload-<name>.json to $BATCHGEN_BENCH_D
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import tempfile
@@ -62,7 +63,9 @@ def correctness(work: Path) -> dict:
         out[dtype] = {"greedy_equal": a == b, "tokens_equal": f"{same}/{total}",
                       "moe_layer_rel_err": errors}  # fmt: skip
         print(dtype, out[dtype], flush=True)
-        del full, split
+        del full, split, moes
+        gc.collect()
+        torch.cuda.empty_cache()
     return out
 
 
@@ -85,7 +88,7 @@ def decode_speed(work: Path, layers: int, batches, shares, new_tokens: int) -> l
         t0 = time.perf_counter()
         llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
                   max_num_batched_tokens=16384, max_model_len=128 + new_tokens + 16,
-                  batch_invariant=False, **options)  # fmt: skip
+                  batch_invariant=False, kv_cache_memory=8 << 30, **options)  # fmt: skip
         load_s = time.perf_counter() - t0
         vocab = llm.engine.runner.model.config.vocab_size
         for batch in batches:
@@ -122,7 +125,8 @@ def decode_speed(work: Path, layers: int, batches, shares, new_tokens: int) -> l
                 }  # fmt: skip
             print(json.dumps(row), flush=True)
             rows.append(row)
-        del llm
+        del llm, splits
+        gc.collect()
         torch.cuda.empty_cache()
     return rows
 
