@@ -34,6 +34,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
+from engine.backends.cuda.host_func import raise_host_failures
 from engine.ops.attention_context import AttentionContext
 from engine.sequence import PENDING_TOKEN, Sequence
 
@@ -330,6 +331,7 @@ class CudaGraphRunner:
 
         def read() -> list[int]:
             done.synchronize()
+            raise_host_failures()  # host nodes (host-resident experts) report here
             return host.tolist()
 
         return read

@@ -9,6 +9,7 @@ memory, less the dense weights and the reserves below, to as many experts as fit
 from __future__ import annotations
 
 import logging
+import sys
 
 import torch
 
@@ -111,6 +112,10 @@ def _device_budget(engine_config, device, dense: int, shapes: list[MoeLayerShape
 # kernel's (numba's pool); a small torch pool keeps the two from spinning on each other's
 # cores (docs/notes-cpu-decode.md).
 TORCH_THREADS_WITH_HOST_EXPERTS = 2
+# A captured step's host work is a Python callable on the CUDA driver's thread, which waits
+# for the GIL while the main thread runs the scheduler: Python hands the GIL over only
+# every switch interval (5 ms by default), longer than a decode step.
+SWITCH_INTERVAL_WITH_HOST_EXPERTS_S = 1e-4
 
 
 def _give_the_cores_to_the_host_experts() -> dict:
@@ -123,4 +128,5 @@ def _give_the_cores_to_the_host_experts() -> dict:
     torch.set_num_threads(torch_threads)
     numba_threads = max(1, min(numba.config.NUMBA_NUM_THREADS, cores - torch_threads))
     numba.set_num_threads(numba_threads)
+    sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_WITH_HOST_EXPERTS_S))
     return {"torch_threads": torch_threads, "numba_threads": numba_threads}

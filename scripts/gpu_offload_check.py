@@ -103,8 +103,7 @@ def decode_speed(work: Path, layers: int, batches, shares, new_tokens: int) -> l
                 llm.generate(prompts, params)  # warm
                 splits = [m.ops.split for m in moe_layers(llm) if getattr(m.ops, "split", None)]
                 for s in splits:
-                    s.times.calls = s.times.pairs = 0
-                    s.times.wait_s = s.times.cpu_s = 0.0
+                    s.times.reset()
                 torch.cuda.synchronize()
                 t = time.perf_counter()
                 llm.generate(prompts, params)

@@ -107,9 +107,7 @@ class RotaryEmbedding(nn.Module):
         # computed on the CPU whatever device the model is built on (the meta device too,
         # where expert placement measures a model without memory), then moved there
         with torch.device("cpu"):
-            inv_freq, self.attention_factor = compute_inv_freq(
-                params, dim, max_position_embeddings
-            )
+            inv_freq, self.attention_factor = compute_inv_freq(params, dim, max_position_embeddings)
         # Layers with the same rope share one cos/sin per step (see forward's ctx).
         self.share_key = ("rope", dim, self.attention_factor, *inv_freq[[0, -1]].tolist())
         self.register_buffer("inv_freq", inv_freq.to(torch.empty(0).device), persistent=False)

@@ -72,18 +72,23 @@ def routed_experts_forward(
 
 
 def host_experts_part(
-    experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+    experts,
+    x: torch.Tensor,
+    weights: torch.Tensor,
+    ids: torch.Tensor,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """The host-resident experts' share of the weighted sum, computed by the CPU kernel
     (kernels/cpu/host_experts.py) on host copies: x [T, D], weights [T, K], ids [T, K]
-    (global ids) -> [T, D] float32 on the CPU. Pairs whose expert is on the device add
-    nothing here."""
+    (global ids) -> [T, D] float32 on the CPU (written into `out` when given). Pairs whose
+    expert is on the device add nothing here."""
     from kernels.cpu.host_experts import host_experts_forward
 
     host = experts.host
     slots = host.slot_of[ids.long().cpu()].contiguous()  # [T, K] int32, -1: device expert
     xf = x.detach().float().cpu().contiguous()
-    out = torch.empty_like(xf)
+    if out is None:
+        out = torch.empty_like(xf)
     host_experts_forward(
         host.kernel_store,
         xf,

@@ -1,19 +1,23 @@
 """A MoE layer split between the GPU and the host: the GPU computes its resident experts
 while the CPU computes the host-resident ones for the same tokens.
 
-Per call: the routing (global expert ids) goes to pinned host memory with the layer's
-input, asynchronously, and an event marks when it is there; the GPU's kernels are launched
-on the device experts with the ids remapped to their slots; the host waits for the event
-only, computes its experts (engine/ops/moe.py host_experts_part, the CPU kernel) while the
-GPU runs, and its result comes back through pinned memory to be added.
+Per call, after the routing: the GPU's routed experts (with the ids remapped to their
+device slots) and the shared expert run on a side stream, while the main stream copies
+the layer's input and routing (global expert ids) to pinned host memory, runs the host
+experts (engine/ops/moe.py host_experts_part, the CPU kernel) and copies their share
+back; the main stream then joins the side stream and adds the two.
+
+- In a captured decode graph the host work is a host node (engine/backends/cuda/
+  host_func.py): the step stays one graph. Its pinned buffers are the same for every
+  layer and every graph (stream order keeps them apart: one layer's host node finishes
+  before the next layer's copies start, and graphs replay one after another), sized by
+  the largest decode step seen eagerly, which the graph runner's warm-up step is.
+- Eagerly (prefill, or a model not captured) the host waits on an event for its inputs
+  and computes while the GPU's kernels run.
 
 The fused kernels take every (token, expert) pair they are given, so a pair whose expert
 is on the host is pointed at a device expert the same token already reads (or slot 0 when
 it has none) with weight 0: it adds nothing and, in the common case, reads no extra bytes.
-The host pairs' share comes only from the CPU.
-
-The host wait is a synchronisation the CUDA graph of a decode step cannot hold, so a model
-with host experts runs its decode steps eagerly (CudaMoeOps.captures_decode).
 """
 
 from __future__ import annotations
@@ -23,38 +27,61 @@ from dataclasses import dataclass
 
 import torch
 
+from engine.backends.cuda.host_func import HostFunc
 from engine.ops.moe import host_experts_part
 
-
-@dataclass
-class _InFlight:
-    x: torch.Tensor  # pinned float32 [T, D]
-    weights: torch.Tensor  # pinned float32 [T, K]
-    ids: torch.Tensor  # pinned int32 [T, K]
-    ready: torch.cuda.Event
+# Steps of up to this many tokens share the decode-sized pinned buffers (which graphs
+# capture); larger ones (prefill) share a second set.
+DECODE_BUFFER_MAX_TOKENS = 1024
 
 
 @dataclass
 class SplitTimes:
-    """Seconds the host spent per layer call, summed: waiting for the routing and inputs
-    to reach pinned memory (`wait_s`), and computing its experts (`cpu_s`)."""
+    """Per layer, summed over calls: seconds the host waited for its inputs (`wait_s`,
+    eager calls), seconds computing its experts (`cpu_s`), (token, expert) pairs it
+    computed."""
 
     calls: int = 0
     wait_s: float = 0.0
     cpu_s: float = 0.0
-    pairs: int = 0  # (token, expert) pairs computed on the host
+    pairs: int = 0
+
+    def reset(self) -> None:
+        self.calls, self.wait_s, self.cpu_s, self.pairs = 0, 0.0, 0.0, 0
+
+
+class HostBuffers:
+    """Pinned host buffers for one call's transfers, and the device tensor the host
+    share comes back into; views [:T] serve a call of T tokens."""
+
+    def __init__(self, tokens: int, hidden: int, top_k: int, device: torch.device) -> None:
+        self.tokens = tokens
+        self.x = torch.empty((tokens, hidden), dtype=torch.float32, pin_memory=True)
+        self.weights = torch.empty((tokens, top_k), dtype=torch.float32, pin_memory=True)
+        self.ids = torch.empty((tokens, top_k), dtype=torch.int32, pin_memory=True)
+        self.out = torch.empty((tokens, hidden), dtype=torch.float32, pin_memory=True)
+        self.device_out = torch.empty((tokens, hidden), dtype=torch.float32, device=device)
+
+    def fits(self, tokens: int, hidden: int, top_k: int) -> bool:
+        return tokens <= self.tokens and self.x.shape[1] == hidden and self.ids.shape[1] == top_k
 
 
 class SplitExperts:
-    """The GPU-side bookkeeping of one layer's split: the global -> device slot map on the
-    device, and the pinned transfers."""
+    """One layer's split: the global -> device slot map on the device, the side stream,
+    the transfers and the host's share."""
 
-    def __init__(self, experts, device: torch.device) -> None:
+    def __init__(self, experts, setup) -> None:
         self.experts = experts
+        self.device = setup.device
         self.times = SplitTimes()
         slot_of = experts.gate_proj.device_slot_of
-        self.device_slot = torch.tensor(slot_of, dtype=torch.int32, device=device)
+        self.device_slot = torch.tensor(slot_of, dtype=torch.int32, device=self.device)
         self.num_device = len(experts.gate_proj.device_ids)
+        self.side = setup.shared("cuda.host_experts_side_stream",
+                                 lambda: torch.cuda.Stream(setup.device))  # fmt: skip
+        # one box per model, shared by its split layers (module docstring)
+        self.shared_buffers: dict = setup.shared("cuda.host_experts_buffers", dict)
+        self.host_funcs: list[HostFunc] = []  # alive as long as the graphs holding them
 
     def device_pairs(
         self, weights: torch.Tensor, ids: torch.Tensor
@@ -67,31 +94,77 @@ class SplitExperts:
         slots = torch.where(on_device, slot, fallback).to(torch.int32)
         return torch.where(on_device, weights, torch.zeros_like(weights)), slots
 
-    def start_host(self, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor) -> _InFlight:
-        """Queue the host's inputs' copy to pinned memory behind the routing; returns at
-        once."""
-        flight = _InFlight(
-            torch.empty(x.shape, dtype=torch.float32, pin_memory=True),
-            torch.empty(weights.shape, dtype=torch.float32, pin_memory=True),
-            torch.empty(ids.shape, dtype=torch.int32, pin_memory=True),
-            torch.cuda.Event(),
-        )
-        flight.x.copy_(x.float(), non_blocking=True)
-        flight.weights.copy_(weights.float(), non_blocking=True)
-        flight.ids.copy_(ids.to(torch.int32), non_blocking=True)
-        flight.ready.record()
-        return flight
+    def forward(self, x, weights, ids, device_experts) -> torch.Tensor:
+        """The layer's output: `device_experts()` (the GPU's routed + shared experts,
+        float32 [T, D]) on the side stream, plus the host's share."""
+        main = torch.cuda.current_stream()
+        self.side.wait_stream(main)
+        with torch.cuda.stream(self.side):
+            on_device = device_experts()
+        if torch.cuda.is_current_stream_capturing():
+            host = self._host_in_stream(x, weights, ids)
+        else:
+            host = self._host_eager(x, weights, ids)
+        main.wait_stream(self.side)
+        on_device.record_stream(main)
+        return on_device + host
 
-    def finish_host(self, flight: _InFlight, device: torch.device) -> torch.Tensor:
-        """Wait for the inputs (not for the GPU's experts), compute the host experts on the
-        CPU, and return their share [T, D] float32 on the device."""
+    def _buffers(self, t: int, d: int, k: int, grow: bool) -> HostBuffers:
+        """The shared buffers for a call of t tokens: the decode-sized set (which graphs
+        capture) or the prefill-sized one, grown by eager calls only."""
+        kind = "decode" if t <= DECODE_BUFFER_MAX_TOKENS else "prefill"
+        current = self.shared_buffers.get(kind)
+        if current is not None and current.fits(t, d, k):
+            return current
+        if not grow:
+            raise RuntimeError(
+                f"a captured MoE step of {t} tokens has no host buffers: the decode graphs "
+                "must be warmed up eagerly at their size first"
+            )
+        self.shared_buffers[kind] = HostBuffers(t, d, k, self.device)
+        return self.shared_buffers[kind]
+
+    def _compute(self, x, weights, ids, out) -> None:
         t0 = time.perf_counter()
-        flight.ready.synchronize()
-        t1 = time.perf_counter()
-        part = host_experts_part(self.experts, flight.x, flight.weights, flight.ids)
+        host_experts_part(self.experts, x, weights, ids, out)
         times = self.times
         times.calls += 1
-        times.wait_s += t1 - t0
-        times.cpu_s += time.perf_counter() - t1
-        times.pairs += int((self.experts.host.slot_of[flight.ids.long()] >= 0).sum())
-        return part.pin_memory().to(device, non_blocking=True)
+        times.cpu_s += time.perf_counter() - t0
+        times.pairs += int((self.experts.host.slot_of[ids.long()] >= 0).sum())
+
+    def _host_in_stream(self, x, weights, ids) -> torch.Tensor:
+        """Copies to pinned memory, the host node, the copy back: all queued on the
+        current stream (being captured)."""
+        (t, d), k = x.shape, ids.shape[1]
+        b = self._buffers(t, d, k, grow=False)
+        hx, hw, hi, hout = b.x[:t], b.weights[:t], b.ids[:t], b.out[:t]
+        hx.copy_(x, non_blocking=True)
+        hw.copy_(weights, non_blocking=True)
+        hi.copy_(ids, non_blocking=True)
+        func = HostFunc(lambda: self._compute(hx, hw, hi, hout))
+        func.launch()
+        self.host_funcs.append(func)
+        back = b.device_out[:t]
+        back.copy_(hout, non_blocking=True)
+        return back
+
+    def _host_eager(self, x, weights, ids) -> torch.Tensor:
+        """The same transfers, with the host waiting on an event for its inputs and
+        computing while the side stream's kernels run."""
+        (t, d), k = x.shape, ids.shape[1]
+        b = self._buffers(t, d, k, grow=True)
+        hx, hw, hi, hout = b.x[:t], b.weights[:t], b.ids[:t], b.out[:t]
+        # the previous call's copy back out of these buffers must be done before reuse
+        torch.cuda.current_stream().synchronize()
+        hx.copy_(x, non_blocking=True)
+        hw.copy_(weights, non_blocking=True)
+        hi.copy_(ids, non_blocking=True)
+        ready = torch.cuda.Event()
+        ready.record()
+        t0 = time.perf_counter()
+        ready.synchronize()
+        self.times.wait_s += time.perf_counter() - t0
+        self._compute(hx, hw, hi, hout)
+        back = b.device_out[:t]
+        back.copy_(hout, non_blocking=True)
+        return back

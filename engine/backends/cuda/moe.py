@@ -94,12 +94,11 @@ class CudaMoeOps(MoeOps):
         # such a model's decode step cannot be captured
         unquantized = moe.experts.gate_proj.format.name == "unquantized"
         kernels = self.fused is not None and setup.dtype in KERNEL_DTYPES
-        # experts placed on the host (engine/backends/cuda/host_experts.py): the host's
-        # wait for its inputs is a sync a graph cannot hold
+        # experts placed on the host: engine/backends/cuda/host_experts.py
         self.split = None
         if moe.experts.host is not None:
-            self.split = SplitExperts(moe.experts, setup.device)
-        self.captures_decode = (kernels or unquantized) and self.split is None
+            self.split = SplitExperts(moe.experts, setup)
+        self.captures_decode = kernels or unquantized
 
     def token_ids(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> dict:
         """The per-call routing argument: a hash-routed layer's `token_ids` (the step's
@@ -202,20 +201,23 @@ class CudaMoeOps(MoeOps):
             weights, ids = self.route(moe, x, input_ids)
         if moe.routing_recorder is not None:
             moe.routing_recorder.record(moe.layer_index, ids, moe.experts.bytes_per_expert())
-        flight = split.start_host(x, weights, ids)
-        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
-        if split.num_device:
-            fused = self.fused
-            device_weights, slots = split.device_pairs(weights, ids)
-            invariant = {"config": fixed_config(fused.fmt), "ordered_combine": True}
-            out = fused_moe(
-                x, fused.w13, fused.w2, device_weights, slots, fused.fmt, fused.w13_scale,
-                fused.w2_scale, out_dtype=torch.float32, swiglu_limit=self.swiglu_limit,
-                **(invariant if self.invariant else {}),
-            )  # fmt: skip
-        if moe.shared_experts is not None:
-            out = out + moe.shared_experts(x)
-        return out + split.finish_host(flight, x.device)
+
+        def device_experts() -> torch.Tensor:
+            out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+            if split.num_device:
+                fused = self.fused
+                device_weights, slots = split.device_pairs(weights, ids)
+                invariant = {"config": fixed_config(fused.fmt), "ordered_combine": True}
+                out = fused_moe(
+                    x, fused.w13, fused.w2, device_weights, slots, fused.fmt,
+                    fused.w13_scale, fused.w2_scale, out_dtype=torch.float32,
+                    swiglu_limit=self.swiglu_limit, **(invariant if self.invariant else {}),
+                )  # fmt: skip
+            if moe.shared_experts is not None:
+                out = out + moe.shared_experts(x)
+            return out
+
+        return split.forward(x.float(), weights, ids.to(torch.int32), device_experts)
 
     def route(
         self, moe, x: torch.Tensor, input_ids: torch.Tensor | None = None
