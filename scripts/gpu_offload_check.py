@@ -37,13 +37,13 @@ def every_nth_on_host(layers: list[int], num_experts: int, share: float, path: P
     return path
 
 
-def correctness(work: Path) -> dict:
+def correctness(work: Path, dtypes) -> dict:
     ckpt = make_random_checkpoint(work / "tiny", arch="deepseek_v4", preset="tiny",
                                   dense_dtype="fp8", expert_dtype="mxfp4", device="cpu",
                                   mtp=False)  # fmt: skip
     out = {}
     greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-    for dtype in ("float32", "bfloat16"):
+    for dtype in dtypes:
         full = LLM(str(ckpt), device="cuda", dtype=dtype)
         moes = moe_layers(full)
         layers = [m.layer_index for m in moes]
@@ -56,12 +56,16 @@ def correctness(work: Path) -> dict:
         x = torch.randn(5, moe_layers(full)[0].experts.gate_proj.in_features, device="cuda")
         x = x.to(getattr(torch, dtype))
         errors = []
-        for ma, mb in zip(moe_layers(full), moe_layers(split)):
+        with torch.inference_mode():
+            pairs = list(zip(moe_layers(full), moe_layers(split)))
+        for ma, mb in pairs:
             ids = torch.arange(5, device="cuda") if ma.gate.tid2eid is not None else None
-            ya, yb = ma(x, ids).float(), mb(x, ids).float()
+            with torch.inference_mode():
+                ya, yb = ma(x, ids).float(), mb(x, ids).float()
             errors.append(float((ya - yb).norm() / ya.norm()))
         out[dtype] = {"greedy_equal": a == b, "tokens_equal": f"{same}/{total}",
-                      "moe_layer_rel_err": errors}  # fmt: skip
+                      "moe_layer_rel_err": errors,
+                      "split_cuda_graphs": split.engine.runner.graphs is not None}  # fmt: skip
         print(dtype, out[dtype], flush=True)
         del full, split, moes
         gc.collect()
@@ -137,6 +141,7 @@ def main() -> None:
     ap.add_argument("--shares", default="0,0.125,0.5")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--dtypes", default="float32,bfloat16")
     ap.add_argument("--name", default="h200-v4flash")
     a = ap.parse_args()
     out_dir = Path(os.environ.get("BATCHGEN_BENCH_DIR", "data/benchmarks"))
@@ -147,7 +152,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         work = Path(tmp)
         if not a.skip_correctness:
-            result["correctness"] = correctness(work)
+            result["correctness"] = correctness(work, a.dtypes.split(","))
         batches = [int(b) for b in a.batches.split(",")]
         shares = [float(s) for s in a.shares.split(",")]
         result["decode"] = decode_speed(work, a.layers, batches, shares, a.new_tokens)
