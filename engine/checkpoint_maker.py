@@ -37,6 +37,9 @@ from engine.checkpoint_files import (
 from engine.deepseek_v4_checkpoint import PRESETS as V4_PRESETS
 from engine.deepseek_v4_checkpoint import build_config as build_v4_config
 from engine.deepseek_v4_checkpoint import hub_tensors
+from engine.llama_checkpoint import PRESETS as LLAMA_PRESETS
+from engine.llama_checkpoint import build_config as build_llama_config
+from engine.llama_checkpoint import llama_tensors
 from kernels.formats.fp8 import quantize_fp8_block
 from kernels.formats.mxfp4 import quantize_mxfp4
 
@@ -141,6 +144,9 @@ DENSE_DTYPES = ("bf16", "fp8")
 EXPERT_DTYPES = ("bf16", "fp8", "mxfp4")
 V3_ARCHS = ("deepseek_v3", "DeepseekV3ForCausalLM")
 V4_ARCHS = ("deepseek_v4", "DeepseekV4ForCausalLM")
+LLAMA_ARCHS = ("llama", "LlamaForCausalLM")
+ARCHS = {"deepseek_v3": V3_ARCHS, "deepseek_v4": V4_ARCHS, "llama": LLAMA_ARCHS}
+FAMILY_PRESETS = {"deepseek_v3": PRESETS, "deepseek_v4": V4_PRESETS, "llama": LLAMA_PRESETS}
 
 
 @dataclass(frozen=True)
@@ -149,9 +155,10 @@ class RandomCheckpoint:
     its tensors in the hub's layout and formats (`tensors`, drawn one at a time). `write`
     puts them in a directory (`batchgen models make-random`); the `random:` model source
     (engine/loader/random_source.py) hands the same stream to the loader, so a model
-    loaded from either holds the same weights when drawn on the same device type."""
+    loaded from either holds the same weights when drawn on the same device type.
+    llama checkpoints are bf16 and have no MTP layer (`mtp` is DeepSeek's)."""
 
-    arch: str = "deepseek_v3"  # deepseek_v3 | deepseek_v4 (or their architecture names)
+    arch: str = "deepseek_v3"  # a key of ARCHS, or one of its architecture names
     preset: str = "tiny"
     layers: int | None = None
     dense_dtype: str = "bf16"
@@ -160,47 +167,58 @@ class RandomCheckpoint:
     mtp: bool = True
 
     def __post_init__(self) -> None:
-        if self.arch in V4_ARCHS:
-            if self.preset in PRESETS and self.preset not in V4_PRESETS:
+        family = self.family  # raises for an unknown arch
+        owners = [f for f, presets in FAMILY_PRESETS.items() if self.preset in presets]
+        if self.preset not in FAMILY_PRESETS[family]:
+            if owners:
                 raise ValueError(
-                    f"preset {self.preset!r} is a deepseek_v3 preset; deepseek_v4 takes "
-                    f"{sorted(V4_PRESETS)}"
+                    f"preset {self.preset!r} is a {' and '.join(owners)} preset (pass --arch "
+                    f"{owners[0]}); {family} takes {sorted(FAMILY_PRESETS[family])}"
                 )
-            self.config()  # the V4 maker's own checks (preset, formats, layers)
-            return
-        if self.arch not in V3_ARCHS:
             raise ValueError(
-                f"random checkpoints come in arch 'deepseek_v3' and 'deepseek_v4', got "
-                f"{self.arch!r}"
+                f"unknown {family} preset {self.preset!r}; choose one of "
+                f"{sorted(FAMILY_PRESETS[family])}"
             )
-        if self.preset not in PRESETS and self.preset in V4_PRESETS:
+        if family == "llama" and (self.dense_dtype, self.expert_dtype) != ("bf16", "bf16"):
             raise ValueError(
-                f"preset {self.preset!r} is a deepseek_v4 preset (pass --arch deepseek_v4); "
-                f"deepseek_v3 takes {sorted(PRESETS)}"
+                f"llama random checkpoints are bf16, got {self.dense_dtype} dense + "
+                f"{self.expert_dtype} experts"
             )
-        if self.preset not in PRESETS:
-            raise ValueError(f"unknown preset {self.preset!r}; choose one of {sorted(PRESETS)}")
-        if self.dense_dtype not in DENSE_DTYPES:
-            raise ValueError(f"dense dtype {self.dense_dtype!r}: choose one of {DENSE_DTYPES}")
-        if self.expert_dtype not in EXPERT_DTYPES:
-            raise ValueError(f"expert dtype {self.expert_dtype!r}: choose one of {EXPERT_DTYPES}")
+        if family == "deepseek_v3":
+            if self.dense_dtype not in DENSE_DTYPES:
+                raise ValueError(f"dense dtype {self.dense_dtype!r}: choose one of {DENSE_DTYPES}")
+            if self.expert_dtype not in EXPERT_DTYPES:
+                raise ValueError(
+                    f"expert dtype {self.expert_dtype!r}: choose one of {EXPERT_DTYPES}"
+                )
         if self.layers is not None and self.layers < 1:
             raise ValueError(f"layers must be >= 1, got {self.layers}")
+        self.config()  # the family's own checks (V4: formats, layers up to the preset's)
 
     @property
-    def is_v4(self) -> bool:
-        return self.arch in V4_ARCHS
+    def family(self) -> str:
+        """deepseek_v3 | deepseek_v4 | llama."""
+        for family, names in ARCHS.items():
+            if self.arch in names:
+                return family
+        raise ValueError(
+            f"random checkpoints come in arch {', '.join(map(repr, ARCHS))}, got {self.arch!r}"
+        )
 
     def config(self) -> dict:
         """config.json, as written."""
-        build = build_v4_config if self.is_v4 else build_config
+        if self.family == "llama":
+            return build_llama_config(self.preset, self.layers)
+        build = build_v4_config if self.family == "deepseek_v4" else build_config
         return build(self.preset, self.layers, self.dense_dtype, self.expert_dtype, self.mtp)
 
     def tensors(self, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
         """(hub name, tensor) for every tensor of the checkpoint, in checkpoint order,
         drawn and quantized on `device`; each is dropped by this stream once yielded."""
         config = self.config()
-        if self.is_v4:
+        if self.family == "llama":
+            return llama_tensors(config, self.seed, device)
+        if self.family == "deepseek_v4":
             return hub_tensors(config, self.seed, device)
         return _tensors(config, self.dense_dtype, self.expert_dtype, self.seed, device)
 
@@ -228,7 +246,7 @@ def make_random_checkpoint(
     """Write the checkpoint into `out` (created; must be empty if it exists) and return it.
 
     `arch` deepseek_v4 / DeepseekV4ForCausalLM takes `engine.deepseek_v4_checkpoint`'s
-    presets and layout."""
+    presets and layout, llama `engine.llama_checkpoint`'s."""
     model = RandomCheckpoint(arch, preset, layers, dense_dtype, expert_dtype, seed, mtp)
     return model.write(out, device, shard_bytes)
 

@@ -5,14 +5,16 @@ not hold (DeepSeek-V4-Flash is ~150 GB in its hub formats).
     LLM("random:v4-flash")                          # 43 layers + MTP, FP8 + MXFP4
     LLM("random:moonlight-16b-a3b?weights=bf16&layers=4")
     LLM("random:tiny?arch=deepseek_v4&weights=fp8-mxfp4&seed=3")
+    LLM("random:tiny?arch=llama")
 
 Keys (each at most once; any other is an error naming it):
-- `arch`: deepseek_v3 | deepseek_v4; needed only for a preset both have (`tiny`).
+- `arch`: deepseek_v3 | deepseek_v4 | llama; needed only for a preset several have
+  (`tiny`).
 - `layers`: N, the first N layers at the preset's shapes (make-random's --layers).
 - `weights`: <dense>[-<experts>], e.g. bf16, fp8, fp8-mxfp4 (make-random's --dense-dtype
   and --expert-dtype). Default: the format the real model ships in (v4-flash fp8-mxfp4,
   deepseek-v3-671b fp8, moonlight-16b-a3b bf16); tiny: bf16, make-random's default.
-- `seed`: S (default 0). `mtp`: 1 | 0, the MTP layer (default 1, as make-random).
+- `seed`: S (default 0). `mtp`: 1 | 0, DeepSeek's MTP layer (default 1, as make-random).
 - `device`: where the weights are drawn; default the device the model loads onto.
 
 The source streams `RandomCheckpoint.tensors`, the stream make-random writes: the same hub
@@ -39,15 +41,12 @@ from pathlib import Path
 import torch
 
 from engine.checkpoint_files import write_tokenizer_files
-from engine.checkpoint_maker import PRESETS as V3_PRESETS
-from engine.checkpoint_maker import RandomCheckpoint
-from engine.deepseek_v4_checkpoint import PRESETS as V4_PRESETS
+from engine.checkpoint_maker import FAMILY_PRESETS, RandomCheckpoint
 from engine.loader.model_source import ModelSource, register_scheme
 from engine.loader.quant_methods import quant_config_from_hf
 from engine.tokenizer import Tokenizer
 
 SCHEME = "random"
-ARCH_PRESETS = {"deepseek_v3": V3_PRESETS, "deepseek_v4": V4_PRESETS}
 KEYS = ("arch", "layers", "weights", "seed", "mtp", "device")
 # the format each real model ships in; presets not listed default to bf16
 DEFAULT_WEIGHTS = {"v4-flash": "fp8-mxfp4", "deepseek-v3-671b": "fp8"}
@@ -78,11 +77,11 @@ def parse_random_spec(spec: str) -> RandomModelSpec:
         return ValueError(f"model spec {spec!r}: {problem}")
 
     arch = options.pop("arch", None)
-    if arch is not None and arch not in ARCH_PRESETS:
-        raise fail(f"arch {arch!r} is not one of {sorted(ARCH_PRESETS)}")
+    if arch is not None and arch not in FAMILY_PRESETS:
+        raise fail(f"arch {arch!r} is not one of {sorted(FAMILY_PRESETS)}")
     arch = arch or _arch_of(preset, fail)
-    if preset not in ARCH_PRESETS[arch]:
-        raise fail(f"{arch} has no preset {preset!r}; it has {sorted(ARCH_PRESETS[arch])}")
+    if preset not in FAMILY_PRESETS[arch]:
+        raise fail(f"{arch} has no preset {preset!r}; it has {sorted(FAMILY_PRESETS[arch])}")
     weights = options.pop("weights", DEFAULT_WEIGHTS.get(preset, "bf16"))
     dense, sep, experts = weights.partition("-")
     if not dense or (sep and not experts) or "-" in experts:
@@ -128,13 +127,13 @@ def _query(spec: str, query: str) -> dict[str, str]:
 
 
 def _arch_of(preset: str, fail) -> str:
-    archs = [arch for arch, presets in ARCH_PRESETS.items() if preset in presets]
+    archs = [arch for arch, presets in FAMILY_PRESETS.items() if preset in presets]
     if len(archs) == 1:
         return archs[0]
     if archs:
         choices = " or ".join(f"?arch={a}" for a in archs)
-        raise fail(f"preset {preset!r} exists for {' and '.join(archs)}: add {choices}")
-    known = "; ".join(f"{arch}: {', '.join(sorted(p))}" for arch, p in ARCH_PRESETS.items())
+        raise fail(f"preset {preset!r} exists for {', '.join(archs)}: add {choices}")
+    known = "; ".join(f"{arch}: {', '.join(sorted(p))}" for arch, p in FAMILY_PRESETS.items())
     raise fail(f"unknown preset {preset!r} (presets: {known})")
 
 

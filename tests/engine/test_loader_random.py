@@ -35,6 +35,7 @@ CASES = {
         dict(arch="deepseek_v3", dense_dtype="fp8", expert_dtype="mxfp4", seed=2),
     ),
     "v3-bf16": ("arch=deepseek_v3", dict(arch="deepseek_v3")),
+    "llama": ("arch=llama&seed=4", dict(arch="llama", seed=4)),
 }
 
 
@@ -71,7 +72,7 @@ def test_seeds_give_different_weights():
     assert not torch.equal(a["layers.0.ffn.gate.tid2eid"], b["layers.0.ffn.gate.tid2eid"])
 
 
-@pytest.mark.parametrize("case", ["v4-fp8-mxfp4", "v3-fp8-mxfp4"])
+@pytest.mark.parametrize("case", ["v4-fp8-mxfp4", "v3-fp8-mxfp4", "llama"])
 def test_loads_and_decodes_as_the_written_directory(case, tmp_path_factory):
     path = _written(tmp_path_factory, case)
     llms = [LLM(m, dtype="float32", device="cpu") for m in (path, f"random:tiny?{CASES[case][0]}")]
@@ -153,14 +154,16 @@ def test_defaults_are_the_shipped_formats_and_make_randoms():
     [
         ("random:huge", r"unknown preset 'huge' \(presets: deepseek_v3: .*v4-flash"),
         ("random:", r"unknown preset ''"),
-        ("random:tiny", r"'tiny' exists for deepseek_v3 and deepseek_v4: add \?arch="),
+        ("random:tiny", r"'tiny' exists for deepseek_v3, deepseek_v4, llama: add \?arch="),
         ("random:v4-flash?layer=2", r"unknown key 'layer'; the keys are"),
         ("random:v4-flash?layers=2&layers=3", r"key 'layers' is given twice"),
         ("random:v4-flash?layers", r"'layers' is not key=value"),
         ("random:v4-flash?layers=two", r"layers 'two' is not an integer"),
         ("random:v4-flash?layers=44", r"layers must be in 1..43"),
         ("random:v4-flash?seed=1.5", r"seed '1.5' is not an integer"),
-        ("random:v4-flash?arch=llama", r"arch 'llama' is not one of"),
+        ("random:v4-flash?arch=gpt2", r"arch 'gpt2' is not one of"),
+        ("random:v4-flash?arch=llama", r"llama has no preset 'v4-flash'"),
+        ("random:tiny?arch=llama&weights=fp8", r"llama random checkpoints are bf16"),
         ("random:v4-flash?arch=deepseek_v3", r"deepseek_v3 has no preset 'v4-flash'"),
         ("random:v4-flash?weights=fp8-mxfp4-x", r"weights 'fp8-mxfp4-x': expected <dense>"),
         ("random:v4-flash?weights=bf16-mxfp4", r"deepseek_v4 checkpoints come as"),
