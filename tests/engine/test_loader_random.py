@@ -107,8 +107,10 @@ def test_tensors_are_drawn_one_at_a_time_on_the_load_device(monkeypatch):
     assert calls == []  # opening draws nothing
     stream = source.iter_weights()
     # the first tensor asks the checkpoint for the load device (CUDA is not needed to see it)
-    with pytest.raises((RuntimeError, AssertionError, TypeError)):
-        next(stream)
+    try:
+        assert next(stream)[1].device.type == "cuda"
+    except (RuntimeError, AssertionError, TypeError):
+        assert not torch.cuda.is_available()  # drawing on CUDA fails without one
     assert calls[0] == torch.device("cuda")
     calls.clear()
     pinned = open_model_source("random:tiny?arch=deepseek_v4&device=cpu", device="cuda")
