@@ -18,6 +18,8 @@ def load_llm(job: JobSpec, max_num_seqs: int | None = None):
         "dtype": job.model.dtype,
         "kv_cache_memory": job.model.kv_cache_memory,
         "seed": job.sampling.seed,
+        "expert_offload": job.model.expert_offload,
+        "expert_routing_stats": job.model.expert_routing_stats,
     }
     if job.model.max_model_len is not None:
         kwargs["max_model_len"] = job.model.max_model_len

@@ -79,6 +79,11 @@ class ModelSpec(_Section):
     # report). None: on for MoE models on the CPU, where it costs little; on a GPU it makes
     # decode steps run eagerly instead of replaying CUDA graphs, so it is opt-in there.
     record_routing: bool | None = None
+    # Routed experts that do not fit the GPU computed in host RAM by the CPU: off, auto, or
+    # a placement file (engine/expert_placement.py). auto keeps the most routed experts on
+    # the GPU when expert_routing_stats names a `batchgen bench routing --out` file.
+    expert_offload: str = "off"
+    expert_routing_stats: str | None = None
 
 
 class SamplingSpec(_Section):

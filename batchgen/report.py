@@ -169,6 +169,11 @@ def build_report(
         "cluster_names": {str(k): v for k, v in (labels or {}).items()},
         "per_cluster": _per_cluster(run_dir, labels),
         "mean_distinct_experts": routing_by_cluster(run_dir).get("all"),
+        "expert_placement": (
+            json.loads(run_dir.expert_placement_file.read_text())
+            if run_dir.expert_placement_file.exists()
+            else None
+        ),
         **summarize(EngineFaultLog(run_dir.path).events()),
         "generated": time.time(),
     }
@@ -194,6 +199,15 @@ def render_markdown(report: dict) -> str:
     lines.append(f"- rows: {done:,} committed" + (f" of {total:,}" if total is not None else ""))
     if report.get("wall_s") is not None:
         lines.append(f"- wall time: {report['wall_s']:.0f} s")
+    placement = report.get("expert_placement")
+    if placement:
+        share = placement.get("expected_host_route_share")
+        lines.append(
+            f"- routed experts: {placement['experts_on_device']:,} on the GPU, "
+            f"{placement['experts_on_host']:,} computed on the host "
+            f"({placement['host_expert_bytes'] / 2**30:.1f} GiB); expected share of routes "
+            "on the host: " + ("unknown" if share is None else f"{share:.1%}")
+        )
     lines += ["", "## Status", "", "| status | result rows |", "|---|---|"]
     for k, v in sorted(report["status"].items()):
         lines.append(f"| {k} | {v:,} |")

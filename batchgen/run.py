@@ -369,6 +369,7 @@ def _run_locked(
     run_dir, archived = open_run_dir(job, new_run, job_path)
     if not reconciled:
         reconcile(run_dir, job.fingerprint, session)
+    run_dir.save_expert_placement(getattr(llm, "expert_placement", None))
     run_dir.success.unlink(missing_ok=True)
     if retry_errors:
         retried = take_back_errors(run_dir, job.fingerprint, session)

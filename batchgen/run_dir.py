@@ -123,6 +123,15 @@ class RunDir:
         self.progress_file = self.path / "progress.json"
         self.success = self.path / "_SUCCESS"
         self.clusters_file = self.path / "clusters.json"
+        self.expert_placement_file = self.path / "expert_placement.json"
+
+    def save_expert_placement(self, summary: dict | None) -> None:
+        """The engine's expert placement for the reports (engine LLM.expert_placement);
+        a run with every expert on the GPU has none."""
+        if summary is None:
+            self.expert_placement_file.unlink(missing_ok=True)
+            return
+        write_atomic(self.expert_placement_file, json.dumps(summary, indent=1) + "\n")
 
     def exists(self) -> bool:
         return self.job_file.exists()

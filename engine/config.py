@@ -92,6 +92,12 @@ class EngineConfig:
     # CPU: attention (and MLA's form choice) whose result for a row does not depend on
     # the rest of its step (docs/batch-invariance.md). False takes the fused forms.
     batch_invariant: bool = True
+    # Routed experts computed in host RAM by the CPU (engine/expert_placement.py): "off",
+    # "auto" (what does not fit the GPU after the dense weights and reserves), or a
+    # placement file. `expert_routing_stats`: a `batchgen bench routing --out` file that
+    # "auto" keeps the most routed experts on the GPU by.
+    expert_offload: str = "off"
+    expert_routing_stats: str | None = None
     cuda: CudaTuning = field(default_factory=CudaTuning)
 
     @classmethod

@@ -62,6 +62,13 @@ class LLM:
         recorder = self.engine.routing_recorder
         return recorder.summary() if recorder is not None else None
 
+    @property
+    def expert_placement(self) -> dict | None:
+        """Where the routed experts live (LLM(expert_offload=...)): experts per layer on the
+        device and on the host, host bytes, the expected share of routes on the host;
+        None when every expert is on the device."""
+        return self.engine.runner.expert_placement
+
     def speculative_stats(self) -> dict | None:
         """Accepted-draft histogram and tokens per step (LLM(speculative_tokens=K))."""
         speculator = self.engine.runner.speculator

@@ -17,6 +17,8 @@ import torch
 from engine.backends.prepare import prepare_model
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
+from engine.expert_offload import choose_placement
+from engine.expert_placement import placing_experts
 from engine.loader import ModelSource, open_model_source
 from engine.models.base import CacheSpec, CausalLM
 from engine.models.registry import model_class_for
@@ -128,10 +130,15 @@ class ModelRunner:
 
     def _build_model(self, source: ModelSource) -> CausalLM:
         cls = model_class_for(source.config)
+        # expert_placement: the summary of where routed experts live (None: all on the
+        # device), for the log and the job's reports
+        placement, self.expert_placement = choose_placement(
+            self.config, cls, source, self.device, self.dtype
+        )
         previous = torch.get_default_dtype()
         torch.set_default_dtype(self.dtype)
         try:
-            with torch.device(self.device):
+            with torch.device(self.device), placing_experts(placement):
                 model = cls(source.config, source.quant_config)
         finally:
             torch.set_default_dtype(previous)

@@ -35,6 +35,8 @@ class RoutingRecorder:
         self._sums: dict[tuple[bool, int | None], _Sums] = defaultdict(_Sums)
         self._current: tuple[bool, int | None] | None = None
         self._seen: set[int] = set()
+        # layer -> routes per expert id over every step (what expert placement ranks by)
+        self._routes: dict[int, torch.Tensor] = {}
 
     def begin_step(self, num_tokens: int, is_decode: bool, group: int | None = None) -> None:
         self._current = (bool(is_decode), group)
@@ -47,6 +49,13 @@ class RoutingRecorder:
         if self._current is None:
             raise RuntimeError("RoutingRecorder.record before begin_step")
         distinct = int(torch.unique(expert_ids).numel())
+        counts = torch.bincount(expert_ids.reshape(-1).long().cpu())
+        seen = self._routes.get(layer)
+        if seen is not None and seen.numel() > counts.numel():
+            counts = torch.nn.functional.pad(counts, (0, seen.numel() - counts.numel()))
+        elif seen is not None:
+            seen = torch.nn.functional.pad(seen, (0, counts.numel() - seen.numel()))
+        self._routes[layer] = counts if seen is None else seen + counts
         entry = self._sums[self._current].layers[layer]
         # A layer seen twice in one step (e.g. the MTP layer run for several drafts) adds
         # up into that step's figure, and counts as one step for the mean.
@@ -70,6 +79,9 @@ class RoutingRecorder:
             "prefill": _aggregate([s for (is_decode, _), s in every if not is_decode]),
             "decode_by_group": {
                 g: _aggregate([s for (d, gg), s in every if d and gg == g]) for g in groups
+            },
+            "expert_routes": {
+                layer: counts.tolist() for layer, counts in sorted(self._routes.items())
             },
         }
 

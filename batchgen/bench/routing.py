@@ -17,6 +17,7 @@ checkpoint from `batchgen models make-random`, or a real one).
 
 from __future__ import annotations
 
+import json
 import tempfile
 import time
 from pathlib import Path
@@ -129,6 +130,7 @@ def run_order(llm, token_ids, order, groups, max_tokens: int) -> dict:
             str(layer): round(v["mean_distinct_experts"], 3)
             for layer, v in decode["layers"].items()
         },
+        "expert_routes": {str(layer): c for layer, c in stats["expert_routes"].items()},
     }
 
 
@@ -197,12 +199,29 @@ def run_benchmark(
 @click.option("--dtype", default="auto", show_default=True)
 @click.option("--name", default=None, help="JSON name (default: routing-<model dir name>).")
 @click.option(
+    "--out",
+    type=click.Path(dir_okay=False, path_type=Path),
+    help="Also write the routes per expert per layer here: the routing-statistics file "
+    "`expert_offload: auto` places experts by (model.expert_routing_stats).",
+)
+@click.option(
     "--assignments",
     type=click.Path(exists=True, dir_okay=False, path_type=Path),
     help="Cluster assignments from `batchgen cluster --out` instead of embedding here.",
 )
 def command(
-    model, input_path, batch, max_tokens, column, id_column, limit, device, dtype, name, assignments
+    model,
+    input_path,
+    batch,
+    max_tokens,
+    column,
+    id_column,
+    limit,
+    device,
+    dtype,
+    name,
+    out,
+    assignments,
 ):
     """Distinct experts per layer per step: arrival order vs planned (clustered) order."""
     payload = run_benchmark(
@@ -218,6 +237,11 @@ def command(
         assignments,
     )
     path = write_result(name or f"routing-{Path(model).name}", payload)
+    if out is not None:
+        routes = payload["planned"]["expert_routes"]
+        stats = {"model": model, "prompts": payload["prompts"], "expert_routes": routes}
+        out.write_text(json.dumps(stats) + "\n")
+        click.echo(f"wrote {out}")
     print_table(payload)
     click.echo(f"wrote {path}")
 

@@ -5,6 +5,12 @@ shared experts added unweighted. The arithmetic is the device's MoE ops
 `swiglu_limit` (V4) clamps the routed and the shared experts' gate and up before the
 activation (engine/ops/moe.py swiglu); None (V3) leaves them unclamped. A hash-routed layer
 (RouterSpec.hash_routing) needs the step's token ids: forward takes them as `input_ids`.
+
+Experts an ExpertPlacement puts on the host (engine/expert_placement.py) are not in the
+stacked device tensors: those hold the device experts only, in slots 0..n-1 in id order
+(`device_slot_of` maps a global expert id to its slot, -1 for a host expert), and the host
+experts live in a HostExpertStore (engine/layers/host_experts.py). The loader asks
+`expert_tensor` where each expert's stored tensor goes.
 """
 
 from __future__ import annotations
@@ -12,7 +18,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from engine.expert_placement import building_placement
 from engine.layers.deepseek_router import DeepseekRouter, RouterSpec
+from engine.layers.host_experts import HostExpertStore
 from engine.layers.swiglu_mlp import SwiGluMlp
 from engine.ops.device_layer import DeviceLayer, DeviceSetup, build
 from engine.ops.moe import TORCH_MOE, MoeOps, routed_experts_forward
@@ -29,7 +37,9 @@ def expert_format(
 
 
 class ExpertProjection(nn.Module):
-    """One projection (gate, up or down) of all experts: stored tensors [E, ...]."""
+    """One projection (gate, up or down) of a layer's device experts: stored tensors
+    [E_device, ...], expert `device_ids[s]` in slot s. `num_experts` counts them all,
+    host experts included; methods take global expert ids."""
 
     def __init__(
         self,
@@ -39,6 +49,7 @@ class ExpertProjection(nn.Module):
         fmt: ExpertWeightFormat,
         params_dtype: torch.dtype,
         prefix: str,
+        host: HostExpertStore | None = None,
     ) -> None:
         super().__init__()
         self.num_experts, self.in_features, self.out_features = (
@@ -48,13 +59,42 @@ class ExpertProjection(nn.Module):
         )
         self.prefix = prefix
         self.format = fmt
-        fmt.create_expert_weights(self, num_experts, in_features, out_features, params_dtype)
+        self.host = host
+        on_host = set(host.expert_ids) if host is not None else set()
+        self.device_ids = tuple(e for e in range(num_experts) if e not in on_host)
+        self.device_slot_of = [-1] * num_experts
+        for slot, expert in enumerate(self.device_ids):
+            self.device_slot_of[expert] = slot
+        fmt.create_expert_weights(self, len(self.device_ids), in_features, out_features,
+                                  params_dtype)  # fmt: skip
+        if host is not None:
+            leaves = tuple(name for name, _ in self.named_parameters(recurse=False))
+            host.declare_leaves(prefix.rpartition(".")[2], leaves)
+
+    def _slot(self, expert: int) -> int:
+        slot = self.device_slot_of[expert]
+        if slot < 0:
+            raise ValueError(f"{self.prefix}: expert {expert} is computed on the host")
+        return slot
 
     def forward(self, expert: int, x: torch.Tensor) -> torch.Tensor:
-        return self.format.apply_expert(self, expert, x)
+        return self.format.apply_expert(self, self._slot(expert), x)
 
     def expert_weight(self, expert: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
-        return self.format.expert_weight(self, expert, dtype)
+        return self.format.expert_weight(self, self._slot(expert), dtype)
+
+    def expert_tensor(self, leaf: str, expert: int) -> torch.Tensor:
+        """Where expert `expert`'s stored tensor `leaf` (`weight`, `scale`, ...) is copied
+        at load: its device slot's slice, or host staging; call `expert_loaded` after."""
+        param = getattr(self, leaf)
+        slot = self.device_slot_of[expert]
+        if slot >= 0:
+            return param[slot]
+        return self.host.staging(expert, self.prefix.rpartition(".")[2], leaf, param)
+
+    def expert_loaded(self, expert: int) -> None:
+        if self.device_slot_of[expert] < 0:
+            self.host.staged(expert)
 
     def bytes_per_expert(self) -> int:
         return self.format.bytes_per_expert(self)
@@ -70,6 +110,9 @@ class ExpertProjection(nn.Module):
 
 
 class RoutedExperts(nn.Module):
+    """A layer's E routed experts: the device ones stacked in gate/up/down projections,
+    the host ones (`host_ids`, from the placement being built) in `host`."""
+
     def __init__(
         self,
         num_experts: int,
@@ -78,21 +121,31 @@ class RoutedExperts(nn.Module):
         quant: QuantConfig | None,
         prefix: str,
         swiglu_limit: float | None = None,
+        host_ids: tuple[int, ...] = (),
     ) -> None:
         super().__init__()
         D, I, E = hidden_size, intermediate_size, num_experts
         dtype = torch.get_default_dtype()
         self.num_experts = E
         self.swiglu_limit = swiglu_limit
-        self.gate_proj = ExpertProjection(
-            E, D, I, expert_format(quant, f"{prefix}.gate_proj", D, I), dtype, f"{prefix}.gate_proj"
+        formats = {
+            role: expert_format(quant, f"{prefix}.{role}", *shape)
+            for role, shape in (("gate_proj", (D, I)), ("up_proj", (D, I)), ("down_proj", (I, D)))
+        }
+        self.host = (
+            HostExpertStore(host_ids, E, D, I, formats["gate_proj"].name, prefix)
+            if host_ids
+            else None
         )
-        self.up_proj = ExpertProjection(
-            E, D, I, expert_format(quant, f"{prefix}.up_proj", D, I), dtype, f"{prefix}.up_proj"
-        )
-        self.down_proj = ExpertProjection(
-            E, I, D, expert_format(quant, f"{prefix}.down_proj", I, D), dtype, f"{prefix}.down_proj"
-        )
+
+        def projection(role: str, fan_in: int, fan_out: int) -> ExpertProjection:
+            return ExpertProjection(
+                E, fan_in, fan_out, formats[role], dtype, f"{prefix}.{role}", self.host
+            )
+
+        self.gate_proj = projection("gate_proj", D, I)
+        self.up_proj = projection("up_proj", D, I)
+        self.down_proj = projection("down_proj", I, D)
 
     def bytes_per_expert(self) -> int:
         return sum(p.bytes_per_expert() for p in (self.gate_proj, self.up_proj, self.down_proj))
@@ -124,6 +177,7 @@ class DeepseekMoE(nn.Module, DeviceLayer):
             quant,
             f"{prefix}.experts",
             swiglu_limit,
+            building_placement().host_experts(layer_index),
         )
         self.shared_experts = (
             SwiGluMlp(

@@ -104,10 +104,15 @@ class RotaryEmbedding(nn.Module):
         super().__init__()
         self.dim = dim
         self.interleaved = interleaved
-        inv_freq, self.attention_factor = compute_inv_freq(params, dim, max_position_embeddings)
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
+        # computed on the CPU whatever device the model is built on (the meta device too,
+        # where expert placement measures a model without memory), then moved there
+        with torch.device("cpu"):
+            inv_freq, self.attention_factor = compute_inv_freq(
+                params, dim, max_position_embeddings
+            )
         # Layers with the same rope share one cos/sin per step (see forward's ctx).
         self.share_key = ("rope", dim, self.attention_factor, *inv_freq[[0, -1]].tolist())
+        self.register_buffer("inv_freq", inv_freq.to(torch.empty(0).device), persistent=False)
 
     def cos_sin(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         freqs = positions.float()[:, None] * self.inv_freq[None, :]  # [T, dim/2]

@@ -417,7 +417,10 @@ class _StrictLoader:
             target = f"{m.group(1)}.{m.group(3)}.{m.group(4)}"
             expert = int(m.group(2))
             if target in self.expert_params and expert < self.expert_params[target]:
-                _copy(self.params[target][expert], tensor, ckpt_name)
+                projection = self.model.get_submodule(target.rsplit(".", 1)[0])
+                leaf = target.rsplit(".", 1)[1]
+                _copy(projection.expert_tensor(leaf, expert), tensor, ckpt_name)
+                projection.expert_loaded(expert)
                 self.experts_filled[target].add(expert)
                 return
             self.unexpected.append(ckpt_name)

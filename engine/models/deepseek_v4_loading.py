@@ -38,13 +38,22 @@ EXPERT_LEAVES = ("weight", "scale")
 
 @dataclass(frozen=True)
 class Target:
-    """Where a hub tensor goes: a parameter, or expert `expert`'s slice of a stacked one."""
+    """Where a hub tensor goes: a parameter, or routed expert `expert`'s tensor `leaf` of
+    an ExpertProjection (its device slot, or host staging: the projection says)."""
 
-    param: torch.Tensor
+    param: torch.Tensor | None = None
+    projection: nn.Module | None = None
+    leaf: str | None = None
     expert: int | None = None
 
     def view(self) -> torch.Tensor:
-        return self.param if self.expert is None else self.param[self.expert]
+        if self.projection is None:
+            return self.param
+        return self.projection.expert_tensor(self.leaf, self.expert)
+
+    def loaded(self) -> None:
+        if self.projection is not None:
+            self.projection.expert_loaded(self.expert)
 
 
 def hub_targets(model) -> dict[str, Target]:
@@ -88,9 +97,11 @@ def _block_targets(layer, targets: dict[str, Target]) -> None:
         proj = getattr(ffn.shared_experts, ours)
         add({f"{p}ffn.shared_experts.{hub}.{n}": t for n, t in proj.named_parameters()})
         stacked = getattr(ffn.experts, ours)
-        for leaf, param in stacked.named_parameters():
+        for leaf, _ in stacked.named_parameters():
             for j in range(stacked.num_experts):
-                targets[f"{p}ffn.experts.{j}.{hub}.{leaf}"] = Target(param, j)
+                targets[f"{p}ffn.experts.{j}.{hub}.{leaf}"] = Target(
+                    projection=stacked, leaf=leaf, expert=j
+                )
 
 
 class V4Loader:
@@ -151,6 +162,7 @@ class V4Loader:
             self.unexpected.append(ckpt_name)
             return
         copy_as_stored(target.view(), tensor, ckpt_name)
+        target.loaded()
         self.filled.add(hub)
 
     def _wo_a_part(self, weight_name: str, part: str, tensor: torch.Tensor) -> None:

@@ -48,6 +48,7 @@ def routed_experts_forward(
     accumulation order as transformers' reference loop, so float32 results agree exactly."""
     T, K = ids.shape
     limit = experts.swiglu_limit
+    device_slot_of = experts.gate_proj.device_slot_of
     flat = ids.reshape(-1)  # [T*K]
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=experts.num_experts).tolist()
@@ -56,7 +57,8 @@ def routed_experts_forward(
     out = torch.zeros_like(x)
     start = 0
     for expert, count in enumerate(counts):
-        if count == 0:
+        if count == 0 or device_slot_of[expert] < 0:  # a host expert: added below
+            start += count
             continue
         rows = token_of[start : start + count]
         h = x[rows]  # [n, D]
@@ -64,6 +66,32 @@ def routed_experts_forward(
         y = experts.down_proj(expert, act) * weight_of[start : start + count, None]  # [n, D]
         out.index_add_(0, rows, y.to(out.dtype))
         start += count
+    if experts.host is not None:
+        out += host_experts_part(experts, x, weights, ids).to(out.dtype)
+    return out
+
+
+def host_experts_part(
+    experts, x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> torch.Tensor:
+    """The host-resident experts' share of the weighted sum, computed by the CPU kernel
+    (kernels/cpu/host_experts.py) on host copies: x [T, D], weights [T, K], ids [T, K]
+    (global ids) -> [T, D] float32 on the CPU. Pairs whose expert is on the device add
+    nothing here."""
+    from kernels.cpu.host_experts import host_experts_forward
+
+    host = experts.host
+    slots = host.slot_of[ids.long().cpu()].contiguous()  # [T, K] int32, -1: device expert
+    xf = x.detach().float().cpu().contiguous()
+    out = torch.empty_like(xf)
+    host_experts_forward(
+        host.kernel_store,
+        xf,
+        slots,
+        weights.detach().float().cpu().contiguous(),
+        experts.swiglu_limit,
+        out,
+    )
     return out
 
 

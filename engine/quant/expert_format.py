@@ -47,12 +47,14 @@ def expert_tensor_name(prefix: str, expert: int, leaf: str) -> str:
     return f"{owner}.{expert}.{proj}.{leaf}"
 
 
-def check_expert_e8m0(scale: torch.Tensor, prefix: str, leaf: str) -> None:
-    """Reject NaN (255) E8M0 scales, naming the first bad expert's own tensor."""
+def check_expert_e8m0(scale: torch.Tensor, prefix: str, leaf: str, expert_ids=None) -> None:
+    """Reject NaN (255) E8M0 scales, naming the first bad expert's own tensor; `expert_ids`
+    gives each slot's expert id where the stack holds only some of the layer's experts."""
     bad = e8m0_bytes(scale) == 255
     if bool(bad.any()):
-        expert = int(bad.nonzero()[0, 0])
-        check_e8m0(scale[expert], expert_tensor_name(prefix, expert, leaf))
+        slot = int(bad.nonzero()[0, 0])
+        expert = expert_ids[slot] if expert_ids is not None else slot
+        check_e8m0(scale[slot], expert_tensor_name(prefix, expert, leaf))
 
 
 def stored_param(shape: tuple[int, ...], dtype: torch.dtype) -> nn.Parameter:
@@ -88,7 +90,7 @@ class ExpertWeightFormat(ABC):
         """Bytes one expert's stored tensors occupy (what routing to it reads)."""
         total = 0
         for tensor in module.parameters(recurse=False):
-            total += tensor[0].numel() * tensor.element_size()
+            total += tensor.shape[1:].numel() * tensor.element_size()
         return total
 
 

@@ -66,7 +66,10 @@ class Fp8BlockFormat(WeightFormat, ExpertWeightFormat):
 
     def process_expert_weights_after_loading(self, module, prefix):
         if self.scale_format == "e8m0":
-            check_expert_e8m0(getattr(module, self.scale_name), prefix, self.scale_name)
+            check_expert_e8m0(
+                getattr(module, self.scale_name), prefix, self.scale_name,
+                getattr(module, "device_ids", None),
+            )  # fmt: skip
 
     def expert_weight(self, module, expert, dtype):
         scale = getattr(module, self.scale_name)[expert]

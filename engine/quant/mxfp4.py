@@ -58,7 +58,7 @@ class Mxfp4Format(WeightFormat, ExpertWeightFormat):
         module.scale = stored_param((num_experts, out_features, in_features // GROUP), torch.uint8)
 
     def process_expert_weights_after_loading(self, module, prefix):
-        check_expert_e8m0(module.scale, prefix, "scale")
+        check_expert_e8m0(module.scale, prefix, "scale", getattr(module, "device_ids", None))
 
     def expert_weight(self, module, expert, dtype):
         return dequantize_mxfp4(module.weight[expert], module.scale[expert], dtype=dtype)

@@ -35,6 +35,8 @@ def _stack_pair(gate: torch.nn.Module, up: torch.nn.Module, leaf: str) -> torch.
 def stack_experts(experts) -> FusedExperts | None:
     """The fused kernel's view of a layer's experts, or None where it cannot read them."""
     gate, up, down = experts.gate_proj, experts.up_proj, experts.down_proj
+    if not gate.device_ids:
+        return None  # every expert of the layer is on the host
     name = gate.format.name
     if name == "unquantized":
         if gate.weight.dtype not in KERNEL_DTYPES:

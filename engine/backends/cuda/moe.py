@@ -26,6 +26,7 @@ from engine.backends.cuda.expert_stacking import (
     stack_experts,
     stack_shared_expert,
 )
+from engine.backends.cuda.host_experts import SplitExperts
 from engine.backends.cuda.norm_linear import KERNEL_DTYPES
 from engine.ops.device_layer import DeviceSetup, register
 from engine.ops.moe import MoeOps, routed_experts_forward, swiglu
@@ -93,7 +94,12 @@ class CudaMoeOps(MoeOps):
         # such a model's decode step cannot be captured
         unquantized = moe.experts.gate_proj.format.name == "unquantized"
         kernels = self.fused is not None and setup.dtype in KERNEL_DTYPES
-        self.captures_decode = kernels or unquantized
+        # experts placed on the host (engine/backends/cuda/host_experts.py): the host's
+        # wait for its inputs is a sync a graph cannot hold
+        self.split = None
+        if moe.experts.host is not None:
+            self.split = SplitExperts(moe.experts, setup.device)
+        self.captures_decode = (kernels or unquantized) and self.split is None
 
     def token_ids(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> dict:
         """The per-call routing argument: a hash-routed layer's `token_ids` (the step's
@@ -117,6 +123,8 @@ class CudaMoeOps(MoeOps):
         from kernels.triton.fused_moe import start_shared_expert
 
         x = x.contiguous()
+        if self.split is not None and self.uses_kernels(x) and x.shape[0]:
+            return self.forward_split(moe, x, input_ids)
         if self.invariant:
             return self.forward_invariant(moe, x, input_ids)
         # At decode sizes the fused kernels add the shared expert into the routed experts'
@@ -177,6 +185,37 @@ class CudaMoeOps(MoeOps):
         if moe.shared_experts is not None:
             out = out + moe.shared_experts(x)
         return out
+
+    def forward_split(self, moe, x: torch.Tensor, input_ids: torch.Tensor | None = None):
+        """Experts split between the GPU and the host: the routing goes to the host first,
+        then the GPU's routed and shared experts are launched, and the CPU computes its
+        experts while they run (engine/backends/cuda/host_experts.py)."""
+        from kernels.triton.fused_moe import fixed_config, fused_moe
+        from kernels.triton.matmul import fixed_linear
+        from kernels.triton.moe_router import moe_route
+
+        split = self.split
+        if self.invariant and self.routing is not None:
+            logits = fixed_linear(x.float(), moe.gate.weight.float())
+            weights, ids = moe_route(logits, **self.routing, **self.token_ids(x, input_ids))
+        else:
+            weights, ids = self.route(moe, x, input_ids)
+        if moe.routing_recorder is not None:
+            moe.routing_recorder.record(moe.layer_index, ids, moe.experts.bytes_per_expert())
+        flight = split.start_host(x, weights, ids)
+        out = torch.zeros(x.shape, dtype=torch.float32, device=x.device)
+        if split.num_device:
+            fused = self.fused
+            device_weights, slots = split.device_pairs(weights, ids)
+            invariant = {"config": fixed_config(fused.fmt), "ordered_combine": True}
+            out = fused_moe(
+                x, fused.w13, fused.w2, device_weights, slots, fused.fmt, fused.w13_scale,
+                fused.w2_scale, out_dtype=torch.float32, swiglu_limit=self.swiglu_limit,
+                **(invariant if self.invariant else {}),
+            )  # fmt: skip
+        if moe.shared_experts is not None:
+            out = out + moe.shared_experts(x)
+        return out + split.finish_host(flight, x.device)
 
     def route(
         self, moe, x: torch.Tensor, input_ids: torch.Tensor | None = None

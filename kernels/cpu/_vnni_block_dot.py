@@ -1,0 +1,197 @@
+"""The AVX-512 VNNI inner loop of the MXFP4 host expert kernel, as numba intrinsics built
+from LLVM IR: LLVM does not turn a nibble-table lookup into vpshufb or an int8 dot into
+vpdpbusd from plain loops, so both are called by name here.
+
+One call runs one row block (`lines` x 64-byte lines per 32-value input block: 1 for down's
+4 rows, 2 for gate/up's 4 + 4 rows) over all input blocks for `tokens` activation rows, the
+decoded weights of each block serving every token. For each block b and line:
+
+- the 64 bytes split into low and high nibbles (vpand, vpsrlw); vpshufb maps each code to
+  12 + 2 x E2M1 (0..24, unsigned), so vpdpbusd (unsigned x signed bytes) takes the weights
+  as its unsigned operand and the int8 activations as they are;
+- int32 lane 4r + q of the line (row r, q = 0..3) gets the exact dot of the row's elements
+  4q..4q+3 and 16+4q..16+4q+3 with the activations, plus 12 x their activation sum, which
+  `lane_sums` (per token, per block, per q, precomputed) takes off again;
+- acc[lane] += float32(dot) * (step_b * 2^(e_rb - 127)), a multiply then an add (no FMA,
+  so `mxfp4_rows` in _host_experts_kernels.py gives the same bits lane by lane).
+
+The caller folds each row's 4 lanes as (l0 + l1) + (l2 + l3).
+"""
+
+from __future__ import annotations
+
+import functools
+
+from llvmlite import ir
+from numba import types
+from numba.core import cgutils
+from numba.extending import intrinsic
+
+MAX_TOKENS = 4  # 4 tokens x 2 lines of float accumulators + decoded weights fit 32 registers
+WEIGHT_OFFSET = 12  # 2 x E2M1 is in -12..12
+_E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12)
+# vpshufb table: code -> 12 + 2 x E2M1 value (bit 3 of the code is the sign)
+OFFSET_TABLE = [WEIGHT_OFFSET + v for v in _E2M1_X2] + [WEIGHT_OFFSET - v for v in _E2M1_X2]
+
+_I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_V64I8 = ir.VectorType(_I8, 64)
+_V16I32 = ir.VectorType(_I32, 16)
+_V16F32 = ir.VectorType(_F32, 16)
+
+
+def _c64(v: int):
+    return ir.Constant(_I64, v)
+
+
+def _mask(values):
+    return ir.Constant(ir.VectorType(ir.IntType(32), len(values)), list(values))
+
+
+def _ptr_load(builder, ptr, typ):
+    """An unaligned load of `typ` at ptr (an element pointer)."""
+    if getattr(ptr.type, "is_opaque", False):
+        return builder.load(ptr, typ=typ, align=1)
+    return builder.load(builder.bitcast(ptr, typ.as_pointer()), align=1)
+
+
+def _gep(builder, ptr, offset):
+    return builder.gep(ptr, [offset])
+
+
+def _x86(builder, name, ret, args):
+    fnty = ir.FunctionType(ret, [a.type for a in args])
+    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
+
+
+@functools.cache
+def block_dot(lines: int, tokens: int):
+    """block_dot(w, w_off, sc, sc_off, blocks, act, lane_sums, steps, act_row, p0, acc):
+    the accumulators of one row block (module docstring) for the activation rows
+    act_row[p0 : p0 + tokens], written to acc[i, 16 l : 16 l + 16] for token i, line l.
+    w / sc: the layer's weights / scales (w_off, sc_off: element offsets of the row
+    block); act int8 [A, 32 B]; lane_sums int32 [A, 4 B]; steps float32 [A, B]."""
+
+    @intrinsic
+    def dot(typingctx, w, w_off, sc, sc_off, blocks, act, lane_sums, steps, act_row, p0, acc):
+        sig = types.void(w, w_off, sc, sc_off, blocks, act, lane_sums, steps, act_row, p0, acc)
+
+        def codegen(context, builder, signature, args):
+            arrays = [
+                context.make_array(signature.args[i])(context, builder, args[i])
+                for i in (0, 2, 5, 6, 7, 8, 10)
+            ]
+            wa, sa, xa, la, ta, ra, aa = arrays
+            w_off, sc_off, n_blocks, p0 = args[1], args[3], args[4], args[9]
+            in_width = cgutils.unpack_tuple(builder, xa.shape)[1]  # 32 B
+            acc_width = cgutils.unpack_tuple(builder, aa.shape)[1]
+            rows = []
+            for i in range(tokens):
+                idx = builder.add(p0, _c64(i))
+                rows.append(builder.sext(builder.load(_gep(builder, ra.data, idx)), _I64))
+            table = ir.Constant(_V64I8, OFFSET_TABLE * 4)
+            low_bits = ir.Constant(_V64I8, [0x0F] * 64)
+            four = ir.Constant(_V64I8, [4] * 64)
+            exponent_shift = ir.Constant(ir.VectorType(_I32, 4), [23] * 4)
+            zero4 = ir.Constant(ir.VectorType(_I32, 4), [0] * 4)
+            subnormal = ir.Constant(ir.VectorType(_I32, 4), [1 << 22] * 4)
+
+            entry = builder.block
+            header = builder.append_basic_block("blocks.header")
+            body = builder.append_basic_block("blocks.body")
+            done = builder.append_basic_block("blocks.done")
+            builder.branch(header)
+
+            builder.position_at_end(header)
+            b = builder.phi(_I64)
+            b.add_incoming(_c64(0), entry)
+            accs = [[builder.phi(_V16F32) for _ in range(lines)] for _ in range(tokens)]
+            for row in accs:
+                for a in row:
+                    a.add_incoming(ir.Constant(_V16F32, [0.0] * 16), entry)
+            builder.cbranch(builder.icmp_signed("<", b, n_blocks), body, done)
+
+            builder.position_at_end(body)
+            weights, scales = [], []
+            for line in range(lines):
+                index = builder.add(builder.mul(b, _c64(lines)), _c64(line))
+                w_ptr = _gep(builder, wa.data, builder.add(w_off, builder.mul(index, _c64(64))))
+                packed = _ptr_load(builder, w_ptr, _V64I8)
+                lo = builder.and_(packed, low_bits)
+                hi = builder.and_(builder.lshr(packed, four), low_bits)
+                pair = []
+                for nib in (lo, hi):
+                    dec = _x86(builder, "llvm.x86.avx512.pshuf.b.512", _V64I8, [table, nib])
+                    pair.append(builder.bitcast(dec, _V16I32))
+                weights.append(pair)
+                s_ptr = _gep(builder, sa.data, builder.add(sc_off, builder.mul(index, _c64(4))))
+                e = builder.zext(
+                    _ptr_load(builder, s_ptr, ir.VectorType(_I8, 4)), ir.VectorType(_I32, 4)
+                )
+                bits = builder.select(
+                    builder.icmp_unsigned("==", e, zero4), subnormal, builder.shl(e, exponent_shift)
+                )
+                scale4 = builder.bitcast(bits, ir.VectorType(_F32, 4))
+                scales.append(
+                    builder.shuffle_vector(
+                        scale4, scale4, _mask([r for r in range(4) for _ in range(4)])
+                    )
+                )
+            for i in range(tokens):
+                x_row = _gep(
+                    builder,
+                    xa.data,
+                    builder.add(builder.mul(rows[i], in_width), builder.mul(b, _c64(32))),
+                )
+                halves = []
+                for h in range(2):
+                    x16 = _ptr_load(
+                        builder, _gep(builder, x_row, _c64(16 * h)), ir.VectorType(_I8, 16)
+                    )
+                    x64 = builder.shuffle_vector(x16, x16, _mask(list(range(16)) * 4))
+                    halves.append(builder.bitcast(x64, _V16I32))
+                blocks_per_row = builder.sdiv(in_width, _c64(32))
+                cell = builder.add(builder.mul(rows[i], blocks_per_row), b)
+                ls_ptr = _gep(builder, la.data, builder.mul(cell, _c64(4)))
+                ls4 = _ptr_load(builder, ls_ptr, ir.VectorType(_I32, 4))
+                ls = builder.shuffle_vector(ls4, ls4, _mask(list(range(4)) * 4))
+                step = builder.load(_gep(builder, ta.data, cell))
+                step16 = builder.insert_element(
+                    ir.Constant(_V16F32, ir.Undefined), step, ir.Constant(_I32, 0)
+                )
+                step16 = builder.shuffle_vector(step16, step16, _mask([0] * 16))
+                for line in range(lines):
+                    d = ir.Constant(_V16I32, [0] * 16)
+                    for h in range(2):
+                        d = _x86(
+                            builder,
+                            "llvm.x86.avx512.vpdpbusd.512",
+                            _V16I32,
+                            [d, weights[line][h], halves[h]],
+                        )
+                    f = builder.sitofp(builder.sub(d, ls), _V16F32)
+                    new = builder.fadd(
+                        accs[i][line], builder.fmul(f, builder.fmul(step16, scales[line]))
+                    )
+                    accs[i][line].add_incoming(new, body)
+            b.add_incoming(builder.add(b, _c64(1)), body)
+            builder.branch(header)
+
+            builder.position_at_end(done)
+            for i in range(tokens):
+                for line in range(lines):
+                    out = _gep(
+                        builder,
+                        aa.data,
+                        builder.add(builder.mul(_c64(i), acc_width), _c64(16 * line)),
+                    )
+                    if getattr(out.type, "is_opaque", False):
+                        builder.store(accs[i][line], out, align=4)
+                    else:
+                        builder.store(
+                            accs[i][line], builder.bitcast(out, _V16F32.as_pointer()), align=4
+                        )
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dot

@@ -1,0 +1,155 @@
+"""Expert offload on the GPU machine (issue 24): correctness of the split against all-GPU
+on a tiny model, then decode speed of V4-Flash layers with a share of their experts on the
+host CPU against all on the GPU. Writes offload-<name>.json to $BATCHGEN_BENCH_DIR.
+
+    python scripts/gpu_offload_check.py [--layers 4] [--batches 1,8,64] [--shares 0,0.125,0.5]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from engine import LLM, SamplingParams
+from engine.checkpoint_maker import make_random_checkpoint
+from engine.expert_placement import ExpertPlacement
+from engine.layers.moe import DeepseekMoE
+
+PROMPTS = [[3, 17, 42, 5, 9, 11, 60, 2], [7, 70, 77], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39]]
+
+
+def moe_layers(llm):
+    return [m for m in llm.engine.runner.model.modules() if isinstance(m, DeepseekMoE)]
+
+
+def every_nth_on_host(layers: list[int], num_experts: int, share: float, path: Path) -> Path:
+    """Host experts: an evenly spread `share` of each layer's experts."""
+    n = round(num_experts * share)
+    spread = tuple(sorted({int(i * num_experts / n) for i in range(n)})) if n else ()
+    ExpertPlacement(dict.fromkeys(layers, spread)).save(path)
+    return path
+
+
+def correctness(work: Path) -> dict:
+    ckpt = make_random_checkpoint(work / "tiny", arch="deepseek_v4", preset="tiny",
+                                  dense_dtype="fp8", expert_dtype="mxfp4", device="cpu",
+                                  mtp=False)  # fmt: skip
+    out = {}
+    greedy = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
+    for dtype in ("float32", "bfloat16"):
+        full = LLM(str(ckpt), device="cuda", dtype=dtype)
+        moes = moe_layers(full)
+        layers = [m.layer_index for m in moes]
+        placement = every_nth_on_host(layers, moes[0].experts.num_experts, 0.5, work / "h.json")
+        split = LLM(str(ckpt), device="cuda", dtype=dtype, expert_offload=str(placement))
+        a = [o.outputs[0].token_ids for o in full.generate(PROMPTS, greedy)]
+        b = [o.outputs[0].token_ids for o in split.generate(PROMPTS, greedy)]
+        same = sum(x == y for ra, rb in zip(a, b) for x, y in zip(ra, rb))
+        total = sum(len(r) for r in a)
+        x = torch.randn(5, moe_layers(full)[0].experts.gate_proj.in_features, device="cuda")
+        x = x.to(getattr(torch, dtype))
+        errors = []
+        for ma, mb in zip(moe_layers(full), moe_layers(split)):
+            ids = torch.arange(5, device="cuda") if ma.gate.tid2eid is not None else None
+            ya, yb = ma(x, ids).float(), mb(x, ids).float()
+            errors.append(float((ya - yb).norm() / ya.norm()))
+        out[dtype] = {"greedy_equal": a == b, "tokens_equal": f"{same}/{total}",
+                      "moe_layer_rel_err": errors}  # fmt: skip
+        print(dtype, out[dtype], flush=True)
+        del full, split
+    return out
+
+
+def decode_speed(work: Path, layers: int, batches, shares, new_tokens: int) -> list[dict]:
+    from batchgen.bench.decode_moe import drawn_v4_model
+
+    path = drawn_v4_model(work, "v4-flash", layers, "fp8-mxfp4", seed=0,
+                          device=torch.device("cuda"))  # fmt: skip
+    from engine.deepseek_v4_checkpoint import plan
+
+    config, _ = plan("v4-flash", layers, "fp8", "mxfp4", mtp=False)
+    moe = list(range(config["num_hidden_layers"]))
+    rows = []
+    for share in shares:
+        options = {}
+        if share:
+            placement = work / f"placement-{share}.json"
+            every_nth_on_host(moe, config["n_routed_experts"], share, placement)
+            options["expert_offload"] = str(placement)
+        t0 = time.perf_counter()
+        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
+                  max_num_batched_tokens=16384, max_model_len=128 + new_tokens + 16,
+                  batch_invariant=False, **options)  # fmt: skip
+        load_s = time.perf_counter() - t0
+        vocab = llm.engine.runner.model.config.vocab_size
+        for batch in batches:
+            gen = torch.Generator().manual_seed(batch)
+            prompts = [
+                torch.randint(0, vocab, (128,), generator=gen).tolist() for _ in range(batch)
+            ]
+            timings = {}
+            for n in (1, new_tokens):
+                params = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True)
+                          for i in range(batch)]  # fmt: skip
+                llm.generate(prompts, params)  # warm
+                splits = [m.ops.split for m in moe_layers(llm) if getattr(m.ops, "split", None)]
+                for s in splits:
+                    s.times.calls = s.times.pairs = 0
+                    s.times.wait_s = s.times.cpu_s = 0.0
+                torch.cuda.synchronize()
+                t = time.perf_counter()
+                llm.generate(prompts, params)
+                torch.cuda.synchronize()
+                timings[n] = time.perf_counter() - t
+            step_s = (timings[new_tokens] - timings[1]) / (new_tokens - 1)
+            row = {"host_share": share, "batch": batch, "load_s": round(load_s, 1),
+                   "decode_tok_s": round(batch / step_s, 1), "step_ms": round(step_s * 1e3, 3),
+                   "cuda_graphs": llm.engine.runner.graphs is not None}  # fmt: skip
+            if splits:
+                calls = sum(s.times.calls for s in splits)
+                steps = calls / len(splits)
+                row |= {
+                    "host_wait_ms_per_step": round(sum(s.times.wait_s for s in splits) / steps * 1e3, 3),
+                    "host_cpu_ms_per_step": round(sum(s.times.cpu_s for s in splits) / steps * 1e3, 3),
+                    "host_pairs_per_step": round(sum(s.times.pairs for s in splits) / steps, 2),
+                    "placement": llm.expert_placement | {"layers": None},
+                }  # fmt: skip
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        del llm
+        torch.cuda.empty_cache()
+    return rows
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--batches", default="1,8,64")
+    ap.add_argument("--shares", default="0,0.125,0.5")
+    ap.add_argument("--new-tokens", type=int, default=32)
+    ap.add_argument("--skip-correctness", action="store_true")
+    ap.add_argument("--name", default="h200-v4flash")
+    a = ap.parse_args()
+    out_dir = Path(os.environ.get("BATCHGEN_BENCH_DIR", "data/benchmarks"))
+    result = {"machine": torch.cuda.get_device_name(), "cpu_cores": os.cpu_count(),
+              "command": "python scripts/gpu_offload_check.py " + " ".join(
+                  f"--{k.replace('_', '-')} {v}" for k, v in vars(a).items()
+                  if not isinstance(v, bool))}  # fmt: skip
+    with tempfile.TemporaryDirectory() as tmp:
+        work = Path(tmp)
+        if not a.skip_correctness:
+            result["correctness"] = correctness(work)
+        batches = [int(b) for b in a.batches.split(",")]
+        shares = [float(s) for s in a.shares.split(",")]
+        result["decode"] = decode_speed(work, a.layers, batches, shares, a.new_tokens)
+    (out_dir / f"offload-{a.name}.json").write_text(json.dumps(result, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()

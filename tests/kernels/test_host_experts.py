@@ -1,0 +1,215 @@
+"""The host expert kernels (kernels/cpu/host_experts.py) against their torch twin
+(kernels/reference/host_experts.py) on fresh random experts: MXFP4 with int8 activations,
+FP8 in float32, V4's SwiGLU clamps, slots computed elsewhere (-1), batch invariance and bad
+input."""
+
+import numpy as np
+import pytest
+import torch
+
+from kernels.cpu import _host_experts_kernels as kernels
+from kernels.cpu.host_experts import (
+    HostFp8Experts,
+    HostMxfp4Experts,
+    _quantized,
+    host_experts_forward,
+)
+from kernels.formats.e8m0 import e8m0_to_float
+from kernels.formats.fp8 import quantize_fp8_block
+from kernels.formats.mxfp4 import quantize_mxfp4
+from kernels.reference.host_experts import (
+    fp8_experts_reference,
+    mxfp4_experts_reference,
+    quantize_int8_blocks,
+)
+from tests.kernels._helpers import poisoned, rel_err
+
+PARTS = ("gate_w", "gate_s", "up_w", "up_s", "down_w", "down_s")
+
+
+def _stored(quantize, slots, hidden, intermediate, seed):
+    """Random experts in the checkpoint's layout, stacked per part [S, ...]."""
+    g = torch.Generator().manual_seed(seed)
+    shapes = {
+        "gate": (intermediate, hidden),
+        "up": (intermediate, hidden),
+        "down": (hidden, intermediate),
+    }
+    stored = {}
+    for name, shape in shapes.items():
+        # rows of different magnitudes, so the per-block scales differ
+        pairs = [
+            quantize(torch.randn(shape, generator=g) * torch.rand(shape[0], 1, generator=g) * 0.2)
+            for _ in range(slots)
+        ]
+        stored[f"{name}_w"] = torch.stack([w for w, _ in pairs])
+        stored[f"{name}_s"] = torch.stack([s for _, s in pairs])
+    return stored
+
+
+def _host(cls, stored):
+    slots, intermediate, _ = stored["gate_w"].shape
+    hidden = stored["down_w"].shape[1]
+    experts = cls.allocate(slots, hidden, intermediate)
+    for s in range(slots):
+        experts.put(s, *(stored[p][s] for p in PARTS))
+    return experts
+
+
+def _inputs(tokens, top_k, slots, hidden, seed):
+    """x [T, D], distinct slots per token with some left to other devices (-1), weights."""
+    g = torch.Generator().manual_seed(seed)
+    ids = torch.stack([torch.randperm(slots, generator=g)[:top_k] for _ in range(tokens)])
+    ids[torch.rand(tokens, top_k, generator=g) < 0.3] = -1
+    weights = torch.rand(tokens, top_k, generator=g)
+    return torch.randn(tokens, hidden, generator=g), ids.to(torch.int32), weights
+
+
+def _forward(experts, x, ids, weights, limit):
+    out = poisoned(x.shape, torch.float32, "cpu")
+    host_experts_forward(experts, x, ids, weights, limit, out)
+    return out
+
+
+MXFP4_SHAPES = [(64, 96, 4, 2), (128, 32, 6, 3)]  # (D, I, slots, top_k)
+
+
+@pytest.mark.parametrize("hidden,intermediate,slots,top_k", MXFP4_SHAPES)
+@pytest.mark.parametrize("limit", [None, 0.02])
+def test_mxfp4_matches_the_twin(hidden, intermediate, slots, top_k, limit):
+    stored = _stored(quantize_mxfp4, slots, hidden, intermediate, seed=hidden + intermediate)
+    experts = _host(HostMxfp4Experts, stored)
+    x, ids, weights = _inputs(9, top_k, slots, hidden, seed=slots)
+    out = _forward(experts, x, ids, weights, limit)
+    same_rounding = mxfp4_experts_reference(stored, x, ids, weights, limit, True)
+    exact = mxfp4_experts_reference(stored, x, ids, weights, limit)
+    # the same int8 activations: only float rounding (and a rare code flip) differ
+    assert rel_err(out, same_rounding) < 1e-4
+    # against float activations: the int8 quantization's error (~1 / 127 per value)
+    assert rel_err(out, exact) < 3e-2
+    if limit is not None:
+        unclamped = mxfp4_experts_reference(stored, x, ids, weights, None)
+        assert rel_err(unclamped, exact) > 0.1, "the limit must clamp in this test"
+
+
+@pytest.mark.parametrize("scale_format", ["float32", "e8m0"])
+@pytest.mark.parametrize("limit", [None, 0.02])
+def test_fp8_matches_the_twin(scale_format, limit):
+    # I = 144: a partial 128-block in both weights' scale grids
+    stored = _stored(lambda w: quantize_fp8_block(w, scale_format), 3, 256, 144, seed=5)
+    experts = _host(HostFp8Experts, stored)
+    x, ids, weights = _inputs(7, 2, 3, 256, seed=8)
+    out = _forward(experts, x, ids, weights, limit)
+    ref = fp8_experts_reference(stored, x, ids, weights, limit)
+    assert rel_err(out, ref) < 1e-5
+    if limit is not None:
+        assert rel_err(fp8_experts_reference(stored, x, ids, weights, None), ref) > 0.1
+
+
+@pytest.mark.parametrize(
+    "cls,quantize", [(HostMxfp4Experts, quantize_mxfp4), (HostFp8Experts, quantize_fp8_block)]
+)
+def test_a_tokens_output_does_not_depend_on_its_batch(cls, quantize):
+    hidden, intermediate, slots = 128, 64, 3
+    experts = _host(cls, _stored(quantize, slots, hidden, intermediate, seed=11))
+    # 13 tokens over 3 slots: many share an expert, and tiles of pairs split unevenly
+    x, ids, weights = _inputs(13, 2, slots, hidden, seed=12)
+    batch = _forward(experts, x, ids, weights, 0.05)
+    for t in range(13):
+        alone = _forward(experts, x[t : t + 1], ids[t : t + 1], weights[t : t + 1], 0.05)
+        assert torch.equal(alone[0], batch[t]), f"token {t}"
+    # and with the batch in another order
+    perm = torch.randperm(13, generator=torch.Generator().manual_seed(13))
+    shuffled = _forward(
+        experts, x[perm].contiguous(), ids[perm].contiguous(), weights[perm].contiguous(), 0.05
+    )
+    assert torch.equal(shuffled, batch[perm])
+
+
+def test_skipped_slots_add_nothing_and_a_token_with_none_gets_zeros():
+    stored = _stored(quantize_mxfp4, 2, 64, 32, seed=21)
+    experts = _host(HostMxfp4Experts, stored)
+    x, _, weights = _inputs(3, 2, 2, 64, seed=22)
+    ids = torch.tensor([[-1, -1], [1, -1], [-1, 1]], dtype=torch.int32)
+    out = _forward(experts, x, ids, weights, None)
+    assert torch.equal(out[0], torch.zeros(64))
+    only_one = _forward(
+        experts, x[1:2], torch.tensor([[1, -1]], dtype=torch.int32), weights[1:2], None
+    )
+    assert torch.equal(out[1], only_one[0])
+    assert rel_err(out, mxfp4_experts_reference(stored, x, ids, weights, None, True)) < 1e-4
+    none_at_all = _forward(experts, x, torch.full((3, 2), -1, dtype=torch.int32), weights, None)
+    assert torch.equal(none_at_all, torch.zeros(3, 64))
+
+
+def test_int8_activations_match_the_twins_rounding_exactly():
+    g = torch.Generator().manual_seed(31)
+    x = torch.randn(5, 96, generator=g) * torch.rand(5, 1, generator=g)
+    x[0, :32] = torch.arange(32) - 15.5  # ties (x / step = k + 0.5) round away from zero
+    x[1, 32:64] = 0.0  # an all-zero block: the 1e-30 floor
+    q, half_step, lane_sums = _quantized(x.numpy())
+    steps = torch.from_numpy(half_step).repeat_interleave(32, 1) * 2
+    assert torch.equal(torch.from_numpy(q).float() * steps, quantize_int8_blocks(x))
+    # lane l of block b: codes 4l..4l+3 and 16+4l..16+4l+3, times the weight offset 12
+    codes = torch.from_numpy(q).long().view(5, 3, 2, 4, 4)  # [N, B, half, lane, 4]
+    want = codes.sum(dim=(2, 4)).view(5, 12) * 12
+    assert torch.equal(torch.from_numpy(lane_sums).long(), want)
+
+
+@pytest.mark.skipif(not kernels.VNNI, reason="needs AVX-512 BW + VNNI")
+@pytest.mark.parametrize("fused", [True, False])
+def test_vnni_kernel_gives_the_portable_kernels_bits(fused):
+    hidden, intermediate, slots = 96, 64, 3
+    experts = _host(HostMxfp4Experts, _stored(quantize_mxfp4, slots, hidden, intermediate, seed=61))
+    if fused:
+        w, s, width, out_width = experts.gate_up, experts.gate_up_scales, hidden, intermediate
+    else:
+        w, s, width, out_width = experts.down, experts.down_scales, intermediate, hidden
+    # 11 activation rows read by 2 + 7 + 5 pairs: token tiles of 4, 3, 2 and 1
+    g = torch.Generator().manual_seed(62)
+    act = _quantized((torch.randn(11, width, generator=g) * 3).numpy())
+    slot_list = np.array([2, 0, 1], dtype=np.int32)
+    offsets = np.array([0, 2, 9, 14], dtype=np.int32)
+    act_row = torch.randint(0, 11, (14,), generator=g, dtype=torch.int32).numpy()
+    outs = []
+    for rows in (kernels.mxfp4_rows, kernels.mxfp4_rows_vnni):
+        out = np.full((14, out_width), np.nan, dtype=np.float32)
+        rows(w, s, *act, slot_list, offsets, act_row, np.float32(0.5), out)
+        outs.append(torch.from_numpy(out))
+    assert not outs[0].isnan().any()
+    assert torch.equal(outs[0], outs[1])
+
+
+def test_decode_tables_equal_the_formats():
+    codes = torch.arange(256, dtype=torch.uint8)
+    assert torch.equal(torch.from_numpy(kernels.E8M0_VALUES), e8m0_to_float(codes))
+    fp8 = codes.view(torch.float8_e4m3fn).float()
+    got = torch.from_numpy(kernels.FP8_VALUES)
+    assert torch.equal(got.isnan(), fp8.isnan())
+    assert torch.equal(got[~fp8.isnan()], fp8[~fp8.isnan()])
+
+
+def test_memory_is_the_stored_bytes():
+    stored = _stored(quantize_mxfp4, 2, 64, 96, seed=41)
+    experts = _host(HostMxfp4Experts, stored)
+    assert experts.nbytes == sum(stored[p].numel() for p in PARTS)
+
+
+def test_bad_input_names_the_tensor():
+    stored = _stored(quantize_mxfp4, 1, 64, 32, seed=51)
+    experts = HostMxfp4Experts.allocate(2, 64, 32)
+    parts = [stored[p][0] for p in PARTS]
+    with pytest.raises(ValueError, match="slot 1 up weight: expected shape"):
+        experts.put(1, parts[0], parts[1], parts[2][:, :-1], *parts[3:])
+    bad_scale = parts[5].clone()
+    bad_scale[3, 0] = 255
+    with pytest.raises(ValueError, match=r"slot 0 down scale.*\(3, 0\)"):
+        experts.put(0, *parts[:5], bad_scale)
+    with pytest.raises(IndexError, match="slot 2 out of range"):
+        experts.put(2, *parts)
+    experts.put(0, *parts)
+    x = torch.randn(1, 64)
+    with pytest.raises(IndexError, match="slot_ids holds 5"):
+        _forward(experts, x, torch.tensor([[5]], dtype=torch.int32), torch.ones(1, 1), None)
+    with pytest.raises(TypeError, match="slot_ids: expected dtype torch.int32"):
+        _forward(experts, x, torch.tensor([[0]]), torch.ones(1, 1), None)
