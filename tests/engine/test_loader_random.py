@@ -198,3 +198,35 @@ def test_a_job_file_may_name_a_random_model():
     source = open_model_source("random:tiny?arch=deepseek_v4")
     assert source.declared_context == 256 and source.tokenizer is not None
     assert json.loads(json.dumps(source.config)) == source.config
+
+
+def test_host_experts_load_from_the_stream_as_from_the_directory(tmp_path):
+    """Expert offload's loader path (host experts staged, then re-laid for the CPU kernel)
+    takes the random stream as it takes the files: the same host bytes, the same tokens."""
+    from engine.expert_placement import ExpertPlacement
+    from engine.layers.moe import DeepseekMoE
+
+    query = "arch=deepseek_v4&weights=fp8-mxfp4&mtp=0&layers=2"
+    path = make_random_checkpoint(tmp_path / "m", arch="deepseek_v4", preset="tiny", layers=2,
+                                  dense_dtype="fp8", expert_dtype="mxfp4", mtp=False, device="cpu")  # fmt: skip
+    experts = parse_random_spec(f"random:tiny?{query}").checkpoint.config()["n_routed_experts"]
+    host = {layer: tuple(range(1, experts, 2)) for layer in range(2)}  # every layer is MoE
+    ExpertPlacement(host).save(tmp_path / "placement.json")
+    llms = [
+        LLM(m, dtype="float32", expert_offload=str(tmp_path / "placement.json"))
+        for m in (path, f"random:tiny?{query}")
+    ]
+    stores = [
+        [m.experts.host.kernel_store for m in llm.engine.runner.model.modules()
+         if isinstance(m, DeepseekMoE)]
+        for llm in llms
+    ]  # fmt: skip
+    assert len(stores[1]) == 2
+    for a, b in zip(*stores, strict=True):
+        for field in ("gate_up", "gate_up_scales", "down", "down_scales"):
+            assert (getattr(a, field) == getattr(b, field)).all(), field
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    tokens = [
+        [o.outputs[0].token_ids for o in llm.generate([[3, 17, 42, 5]], params)] for llm in llms
+    ]
+    assert tokens[0] == tokens[1]
