@@ -1145,10 +1145,17 @@ ARCH_DEFAULTS = {
                    "tokens do not depend on its batch (docs/batch-invariance.md).")  # fmt: skip
 @click.option("--fold-input-norm/--no-fold-input-norm", default=True, show_default=True,
               help="DeepSeek layers' input RMSNorm inside the FP8 q/kv_a GEMV (1-8 tokens).")  # fmt: skip
-@click.option("--expert-offload", default="off", show_default=True,
-              help="off | auto | a placement file: routed experts computed on the host CPU.")
-@click.option("--expert-routing-stats", default=None,
-              help="A `bench routing --out` file that --expert-offload auto ranks experts by.")
+@click.option(
+    "--expert-offload",
+    default="off",
+    show_default=True,
+    help="off | auto | a placement file: routed experts computed on the host CPU.",
+)
+@click.option(
+    "--expert-routing-stats",
+    default=None,
+    help="A `bench routing --out` file that --expert-offload auto ranks experts by.",
+)
 @click.option("--temperature", type=float, default=None,
               help="Our engine's requests: 0 is greedy (default 0 for V3, transformers stays "
                    "greedy; 1.0 for V4's random weights).")  # fmt: skip
