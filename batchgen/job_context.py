@@ -27,12 +27,14 @@ class JobContext:
 
 
 def check_model_path(path: str) -> None:
-    """A model is a local directory, a GGUF file, or an alias the engine's catalog knows."""
+    """A model is a local directory, a GGUF file, an alias the engine's catalog knows, or a
+    spec of a registered scheme (`random:...`, checked in full when it is opened)."""
     if Path(path).exists():
         return
     from engine.loader.catalog import is_alias
+    from engine.loader.model_source import spec_scheme
 
-    if is_alias(path):
+    if is_alias(path) or spec_scheme(path) is not None:
         return
     raise JobError(
         f"model.path: '{path}' is neither an existing directory or file nor a known model "

@@ -1,12 +1,14 @@
-"""What every random-weight checkpoint writes besides its tensors' values: per-name seeded
+"""What every random-weight checkpoint holds besides its tensors' values: per-name seeded
 draws, the shard writer with model.safetensors.index.json, the byte-level tokenizer and
-generation_config.json. Shared by the V3 maker (`engine/checkpoint_maker.py`) and the V4
-maker (`engine/deepseek_v4_checkpoint.py`)."""
+generation_config.json. Shared by the V3 maker (`engine/checkpoint_maker.py`), the V4
+maker (`engine/deepseek_v4_checkpoint.py`) and their in-memory twin, the `random:` model
+source (`engine/loader/random_source.py`), which writes the tokenizer files only."""
 
 from __future__ import annotations
 
 import json
 import zlib
+from collections.abc import Iterable
 from pathlib import Path
 
 import torch
@@ -44,6 +46,30 @@ def draw(name: str, shape: tuple[int, ...], std: float, mean: float, seed, devic
     """N(mean, std^2) float32 values of tensor `name`."""
     gen = seeded_generator(seed, name, device)
     return torch.randn(shape, generator=gen, device=device) * std + mean
+
+
+def write_checkpoint(
+    out: str | Path,
+    config: dict,
+    tensors: Iterable[tuple[str, torch.Tensor]],
+    shard_bytes: int = DEFAULT_SHARD_BYTES,
+) -> Path:
+    """Write config.json, generation_config.json, the tokenizer and `tensors` (sharded, with
+    the index) into `out` (created; must be empty if it exists) and return it."""
+    out = prepare_output_dir(out)
+    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+    write_tokenizer_files(out, config["max_position_embeddings"])
+    writer = ShardWriter(out, shard_bytes)
+    for name, tensor in tensors:
+        writer.add(name, tensor)
+    writer.close()
+    return out
+
+
+def write_tokenizer_files(out: Path, max_length: int) -> None:
+    """The tokenizer and generation_config.json every random checkpoint carries."""
+    write_generation_config(out)
+    write_tokenizer(out, max_length)
 
 
 def write_generation_config(out: Path) -> None:

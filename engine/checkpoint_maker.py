@@ -4,7 +4,9 @@ benchmarks (`batchgen models make-random`). Nobody downloads weights. DeepSeek-V
 
 Writes config.json, sharded safetensors with model.safetensors.index.json (per-expert
 tensor names, the MTP layer at model.layers.{num_hidden_layers}), generation_config.json
-and a byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json).
+and a byte-level BPE tokenizer (tokenizer.json + tokenizer_config.json). `RandomCheckpoint`
+describes one such model of either arch: make-random writes it, and the in-memory
+`random:` model source (engine/loader/random_source.py) streams the same tensors.
 
 Weights: every tensor is drawn from its own generator seeded by (seed, name), so a bf16
 and an fp8 / mxfp4 checkpoint with the same seed hold the same weights before
@@ -17,9 +19,9 @@ shard plus one tensor.
 
 from __future__ import annotations
 
-import json
 import math
 from collections.abc import Iterator
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
@@ -28,15 +30,16 @@ from engine.checkpoint_files import (
     BOS_ID,
     DEFAULT_SHARD_BYTES,
     EOS_ID,
-    ShardWriter,
     draw,
-    prepare_output_dir,
     resolve_device,
-    write_generation_config,
-    write_tokenizer,
+    write_checkpoint,
 )
 from engine.deepseek_v4_checkpoint import PRESETS as V4_PRESETS
-from engine.deepseek_v4_checkpoint import make_random_v4_checkpoint
+from engine.deepseek_v4_checkpoint import build_config as build_v4_config
+from engine.deepseek_v4_checkpoint import hub_tensors
+from engine.llama_checkpoint import PRESETS as LLAMA_PRESETS
+from engine.llama_checkpoint import build_config as build_llama_config
+from engine.llama_checkpoint import llama_tensors
 from kernels.formats.fp8 import quantize_fp8_block
 from kernels.formats.mxfp4 import quantize_mxfp4
 
@@ -141,6 +144,90 @@ DENSE_DTYPES = ("bf16", "fp8")
 EXPERT_DTYPES = ("bf16", "fp8", "mxfp4")
 V3_ARCHS = ("deepseek_v3", "DeepseekV3ForCausalLM")
 V4_ARCHS = ("deepseek_v4", "DeepseekV4ForCausalLM")
+LLAMA_ARCHS = ("llama", "LlamaForCausalLM")
+ARCHS = {"deepseek_v3": V3_ARCHS, "deepseek_v4": V4_ARCHS, "llama": LLAMA_ARCHS}
+FAMILY_PRESETS = {"deepseek_v3": PRESETS, "deepseek_v4": V4_PRESETS, "llama": LLAMA_PRESETS}
+
+
+@dataclass(frozen=True)
+class RandomCheckpoint:
+    """One random-weight model, validated at construction: its config.json (`config`) and
+    its tensors in the hub's layout and formats (`tensors`, drawn one at a time). `write`
+    puts them in a directory (`batchgen models make-random`); the `random:` model source
+    (engine/loader/random_source.py) hands the same stream to the loader, so a model
+    loaded from either holds the same weights when drawn on the same device type.
+    llama checkpoints are bf16 and have no MTP layer (`mtp` is DeepSeek's)."""
+
+    arch: str = "deepseek_v3"  # a key of ARCHS, or one of its architecture names
+    preset: str = "tiny"
+    layers: int | None = None
+    dense_dtype: str = "bf16"
+    expert_dtype: str = "bf16"
+    seed: int = 0
+    mtp: bool = True
+
+    def __post_init__(self) -> None:
+        family = self.family  # raises for an unknown arch
+        owners = [f for f, presets in FAMILY_PRESETS.items() if self.preset in presets]
+        if self.preset not in FAMILY_PRESETS[family]:
+            if owners:
+                raise ValueError(
+                    f"preset {self.preset!r} is a {' and '.join(owners)} preset (pass --arch "
+                    f"{owners[0]}); {family} takes {sorted(FAMILY_PRESETS[family])}"
+                )
+            raise ValueError(
+                f"unknown {family} preset {self.preset!r}; choose one of "
+                f"{sorted(FAMILY_PRESETS[family])}"
+            )
+        if family == "llama" and (self.dense_dtype, self.expert_dtype) != ("bf16", "bf16"):
+            raise ValueError(
+                f"llama random checkpoints are bf16, got {self.dense_dtype} dense + "
+                f"{self.expert_dtype} experts"
+            )
+        if family == "deepseek_v3":
+            if self.dense_dtype not in DENSE_DTYPES:
+                raise ValueError(f"dense dtype {self.dense_dtype!r}: choose one of {DENSE_DTYPES}")
+            if self.expert_dtype not in EXPERT_DTYPES:
+                raise ValueError(
+                    f"expert dtype {self.expert_dtype!r}: choose one of {EXPERT_DTYPES}"
+                )
+        if self.layers is not None and self.layers < 1:
+            raise ValueError(f"layers must be >= 1, got {self.layers}")
+        self.config()  # the family's own checks (V4: formats, layers up to the preset's)
+
+    @property
+    def family(self) -> str:
+        """deepseek_v3 | deepseek_v4 | llama."""
+        for family, names in ARCHS.items():
+            if self.arch in names:
+                return family
+        raise ValueError(
+            f"random checkpoints come in arch {', '.join(map(repr, ARCHS))}, got {self.arch!r}"
+        )
+
+    def config(self) -> dict:
+        """config.json, as written."""
+        if self.family == "llama":
+            return build_llama_config(self.preset, self.layers)
+        build = build_v4_config if self.family == "deepseek_v4" else build_config
+        return build(self.preset, self.layers, self.dense_dtype, self.expert_dtype, self.mtp)
+
+    def tensors(self, device: torch.device) -> Iterator[tuple[str, torch.Tensor]]:
+        """(hub name, tensor) for every tensor of the checkpoint, in checkpoint order,
+        drawn and quantized on `device`; each is dropped by this stream once yielded."""
+        config = self.config()
+        if self.family == "llama":
+            return llama_tensors(config, self.seed, device)
+        if self.family == "deepseek_v4":
+            return hub_tensors(config, self.seed, device)
+        return _tensors(config, self.dense_dtype, self.expert_dtype, self.seed, device)
+
+    def write(
+        self, out: str | Path, device: str = "auto", shard_bytes: int = DEFAULT_SHARD_BYTES
+    ) -> Path:
+        """The checkpoint written into `out` (created; must be empty if it exists)."""
+        tensors = self.tensors(resolve_device(device))
+        return write_checkpoint(out, self.config(), tensors, shard_bytes)
 
 
 def make_random_checkpoint(
@@ -158,49 +245,10 @@ def make_random_checkpoint(
 ) -> Path:
     """Write the checkpoint into `out` (created; must be empty if it exists) and return it.
 
-    `arch` deepseek_v4 / DeepseekV4ForCausalLM is written by `engine.deepseek_v4_checkpoint`
-    with its own presets."""
-    if arch in V4_ARCHS:
-        if preset in PRESETS and preset not in V4_PRESETS:
-            raise ValueError(
-                f"preset {preset!r} is a deepseek_v3 preset; deepseek_v4 takes {sorted(V4_PRESETS)}"
-            )
-        return make_random_v4_checkpoint(
-            out,
-            preset=preset,
-            layers=layers,
-            dense_dtype=dense_dtype,
-            expert_dtype=expert_dtype,
-            seed=seed,
-            device=device,
-            mtp=mtp,
-            shard_bytes=shard_bytes,
-        )
-    if arch not in V3_ARCHS:
-        raise ValueError(f"make-random supports arch 'deepseek_v3' and 'deepseek_v4', got {arch!r}")
-    if preset not in PRESETS and preset in V4_PRESETS:
-        raise ValueError(
-            f"preset {preset!r} is a deepseek_v4 preset (pass --arch deepseek_v4); "
-            f"deepseek_v3 takes {sorted(PRESETS)}"
-        )
-    if preset not in PRESETS:
-        raise ValueError(f"unknown preset {preset!r}; choose one of {sorted(PRESETS)}")
-    if dense_dtype not in DENSE_DTYPES:
-        raise ValueError(f"dense dtype {dense_dtype!r}: choose one of {DENSE_DTYPES}")
-    if expert_dtype not in EXPERT_DTYPES:
-        raise ValueError(f"expert dtype {expert_dtype!r}: choose one of {EXPERT_DTYPES}")
-    if layers is not None and layers < 1:
-        raise ValueError(f"--layers must be >= 1, got {layers}")
-    out = prepare_output_dir(out)
-    config = build_config(preset, layers, dense_dtype, expert_dtype, mtp)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_generation_config(out)
-    write_tokenizer(out, config["max_position_embeddings"])
-    writer = ShardWriter(out, shard_bytes)
-    for name, tensor in _tensors(config, dense_dtype, expert_dtype, seed, resolve_device(device)):
-        writer.add(name, tensor)
-    writer.close()
-    return out
+    `arch` deepseek_v4 / DeepseekV4ForCausalLM takes `engine.deepseek_v4_checkpoint`'s
+    presets and layout, llama `engine.llama_checkpoint`'s."""
+    model = RandomCheckpoint(arch, preset, layers, dense_dtype, expert_dtype, seed, mtp)
+    return model.write(out, device, shard_bytes)
 
 
 def build_config(

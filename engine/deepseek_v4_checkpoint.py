@@ -5,7 +5,9 @@ Writes config.json in the hub's spelling (`compress_ratios` with the MTP entry,
 `num_hash_layers`, `rope_scaling`, `quantization_config` with `scale_fmt: ue8m0`), sharded
 safetensors with model.safetensors.index.json holding exactly `hub_tensor_specs` (names,
 shapes, dtypes: FP8 E4M3 + E8M0 `.scale` per 128 x 128 block, MXFP4 experts as int8 + E8M0
-`.scale` per 32 inputs), generation_config.json and the byte-level tokenizer.
+`.scale` per 32 inputs), generation_config.json and the byte-level tokenizer. The tensors
+come from one stream, `hub_tensors`: make-random writes it, the in-memory `random:` model
+source (engine/loader/random_source.py) hands it to the loader.
 
 Weights: each tensor is drawn from its own generator seeded by (seed, hub name), so the
 bf16 and the quantized checkpoints of one seed hold the same weights before quantization.
@@ -24,7 +26,6 @@ exercises them. Scales, chosen so activations stay O(1) through the layers:
 from __future__ import annotations
 
 import copy
-import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -35,13 +36,10 @@ from engine.checkpoint_files import (
     BOS_ID,
     DEFAULT_SHARD_BYTES,
     EOS_ID,
-    ShardWriter,
     draw,
-    prepare_output_dir,
     resolve_device,
     seeded_generator,
-    write_generation_config,
-    write_tokenizer,
+    write_checkpoint,
 )
 from engine.models.deepseek_v4_config import MTP_COMPRESS_RATIO, DeepseekV4ModelConfig
 from engine.models.deepseek_v4_names import E8M0, FP8, TensorSpec, hub_tensor_specs
@@ -180,26 +178,31 @@ def make_random_v4_checkpoint(
     shard_bytes: int = DEFAULT_SHARD_BYTES,
 ) -> Path:
     """Write the checkpoint into `out` (created; must be empty if it exists) and return it."""
-    config, specs = plan(preset, layers, dense_dtype, expert_dtype, mtp)
-    out = prepare_output_dir(out)
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
-    write_generation_config(out)
-    write_tokenizer(out, config["max_position_embeddings"])
+    config = build_config(preset, layers, dense_dtype, expert_dtype, mtp)
+    tensors = hub_tensors(config, seed, resolve_device(device))
+    return write_checkpoint(out, config, tensors, shard_bytes)
+
+
+def hub_tensors(
+    config: dict, seed: int, device: torch.device
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """Every tensor of the checkpoint `config` describes, drawn on `device` one at a time in
+    checkpoint order: what make-random writes and the `random:` source streams. Each is
+    checked against the hub's name, shape and dtype, and the stream against the whole
+    layout, so neither consumer can hold a tensor the hub's checkpoint would not."""
     cfg = DeepseekV4ModelConfig.from_dict(config)
-    writer = ShardWriter(out, shard_bytes)
-    written = []
-    for name, tensor in random_tensors(cfg, specs, seed, resolve_device(device)):
+    specs = hub_tensor_specs(cfg, dtype=torch.bfloat16)
+    drawn = []
+    for name, tensor in random_tensors(cfg, specs, seed, device):
         spec = specs.get(name)
         if spec is None or (tuple(tensor.shape), tensor.dtype) != (spec.shape, spec.dtype):
             raise RuntimeError(
                 f"tensor {name!r} {tuple(tensor.shape)} {tensor.dtype} is not the hub's {spec}"
             )
-        writer.add(name, tensor)
-        written.append(name)
-    if written != list(specs):
-        raise RuntimeError(f"wrote {len(written)} tensors, the hub layout has {len(specs)}")
-    writer.close()
-    return out
+        drawn.append(name)
+        yield name, tensor
+    if drawn != list(specs):
+        raise RuntimeError(f"drew {drawn} tensors, the hub layout has {len(specs)}")
 
 
 def plan(
@@ -231,7 +234,7 @@ def build_config(
     shape = copy.deepcopy(PRESETS[preset])
     full = shape["num_hidden_layers"]
     if layers is not None and not 1 <= layers <= full:
-        raise ValueError(f"--layers must be in 1..{full} for preset {preset!r}, got {layers}")
+        raise ValueError(f"layers must be in 1..{full} for preset {preset!r}, got {layers}")
     n = full if layers is None else layers
     n_mtp = 1 if mtp else 0
     shape["num_hidden_layers"] = n

@@ -51,7 +51,9 @@ class ModelRunner:
         self.config = config
         self.device = config.resolved_device()
         self.dtype = config.resolved_dtype(self.device)
-        self.source: ModelSource = open_model_source(config.model, dtype=config.explicit_dtype)
+        self.source: ModelSource = open_model_source(
+            config.model, dtype=config.explicit_dtype, device=self.device
+        )
         self.model = self._build_model(self.source)
         self.max_model_len = min(
             self.model.max_model_len, config.max_model_len or self.model.max_model_len

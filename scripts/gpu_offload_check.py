@@ -74,10 +74,9 @@ def correctness(work: Path, dtypes) -> dict:
 
 
 def decode_speed(work: Path, layers: int, batches, shares, new_tokens: int) -> list[dict]:
-    from batchgen.bench.decode_moe import drawn_v4_model
+    from batchgen.bench.decode_moe import random_model
 
-    path = drawn_v4_model(work, "v4-flash", layers, "fp8-mxfp4", seed=0,
-                          device=torch.device("cuda"))  # fmt: skip
+    path = random_model("deepseek_v4", "v4-flash", layers, "fp8-mxfp4")  # drawn on the GPU
     from engine.deepseek_v4_checkpoint import plan
 
     config, _ = plan("v4-flash", layers, "fp8", "mxfp4", mtp=False)

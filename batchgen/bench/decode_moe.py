@@ -21,10 +21,14 @@ Numbers:
   weights once, the LM head, the expected distinct routed experts per MoE layer for
   uniform routing E(1-(1-k/E)^B), and the KV cache), over the measured copy bandwidth.
 
+`--in-memory` (V3): the models are `random:` specs (engine/loader/random_source.py), drawn
+on the GPU while the engine loads them, with no checkpoint written (so shapes the disk
+would not hold run) and no transformers comparison.
+
 `--arch deepseek_v4` (`--preset v4-flash|tiny`, `--layers N`, default 4; `--weights
 fp8-mxfp4|bf16`): the first N layers of DeepSeek-V4 at the preset's shapes, their weights
-drawn on the GPU while the engine loads them (`drawn_v4_model`: no files, so N up to ~20
-fits the H200's memory and a run fits minutes); prompts of 512 random tokens (128 CSA and
+drawn on the GPU while the engine loads them (a `random:` spec, `random_model`: no files,
+so N up to ~20 fits the H200's memory and a run fits minutes); prompts of 512 random tokens (128 CSA and
 4 HCA entries per sequence at V4-Flash's ratios), 32 new tokens sampled at temperature 1.0.
 Per batch: tok/s, each layer's time in the decode step (CUDA events around it) against the
 bytes it must read (batchgen/bench/v4_roofline.py) over the copy bandwidth, and the same
@@ -41,7 +45,6 @@ from __future__ import annotations
 import collections
 import functools
 import gc
-import json
 import shutil
 import statistics
 import time
@@ -512,7 +515,7 @@ def profile_decode_step(
 
 
 def bench_engine(
-    path: Path,
+    path: Path | str,  # a checkpoint directory or a `random:` spec
     weights: str,
     batches: tuple[int, ...],
     prompt_len: int,
@@ -702,9 +705,17 @@ def run(
     name: str,
     engine_options: dict | None = None,
     sampling: dict | None = None,
+    in_memory: bool = False,
 ) -> dict:
+    """The V3 benchmark (module docstring). `in_memory`: the models are `random:` specs
+    drawn while loading, not checkpoints written to `workdir` (no transformers run: it
+    reads the bf16 checkpoint's files)."""
     from kernels.tune.timing import copy_bandwidth
 
+    if in_memory and hf_batches:
+        raise click.UsageError(
+            "--hf-batches: transformers reads checkpoint files, --in-memory has none"
+        )
     if not torch.cuda.is_available():
         raise click.UsageError("bench decode-moe needs a CUDA GPU")
     device = torch.device("cuda")
@@ -718,19 +729,23 @@ def run(
         "new_tokens": new_tokens,
         **(engine_options or {}),
         "sampling": sampling or {"temperature": 0.0},
+        "in_memory": in_memory,
         "results": [],
         "engine_info": {},
     }
     paths = {}
     for w in weights:
-        paths[w] = make_checkpoint(workdir, preset, layers, w)
+        if in_memory:
+            paths[w] = random_model("deepseek_v3", preset, layers, w)
+        else:
+            paths[w] = make_checkpoint(workdir, preset, layers, w)
         rows, info = bench_engine(paths[w], w, batches, prompt_len, new_tokens, copy_bps,
                                   profile_step=True, engine_options=engine_options,
                                   sampling=sampling)  # fmt: skip
         payload["results"] += rows
         payload["engine_info"][w] = info
         write_result(name, payload)  # after each phase, so a cut-off run keeps its numbers
-        if w != "bf16":
+        if w != "bf16" and not in_memory:
             shutil.rmtree(paths[w], ignore_errors=True)
     if hf_batches and "bf16" in paths:
         rows, info = bench_transformers(paths["bf16"], hf_batches, prompt_len, new_tokens, copy_bps)
@@ -744,8 +759,6 @@ def run(
 
 
 # -- DeepSeek-V4 --------------------------------------------------------------------------
-DRAWN_MARKER = "batchgen_drawn_v4.json"
-_FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 # decode steps timed layer by layer when decode steps replay graphs (hooks see no replay)
 EAGER_TIMING_TOKENS = 5
 # random weights: sampling at 1.0 keeps the decoded ids varied, as text's are (hash layers
@@ -753,73 +766,17 @@ EAGER_TIMING_TOKENS = 5
 V4_SAMPLING = {"temperature": 1.0, "top_p": 1.0, "seed": 0}
 
 
-def drawn_v4_model(
-    workdir: Path, preset: str, layers: int | None, weights: str, seed: int, device: torch.device
-) -> Path:
-    """A model directory whose weights are drawn on `device` while the engine loads them:
-    the tensors `make_random_v4_checkpoint` writes (seeded by name, so equal to that
-    checkpoint's), with no safetensors written and read back, which at v4-flash shapes is
-    ~3.6 GB a layer (13 GB in bf16) of disk and of copies each way. The directory holds
-    the drawing's recipe, the tokenizer and generation_config.json."""
-    from engine.checkpoint_files import write_generation_config, write_tokenizer
-    from engine.deepseek_v4_checkpoint import plan
-
-    dense, experts = WEIGHTS[weights]
-    config, _ = plan(preset, layers, dense, experts, mtp=False)
-    out = workdir / f"v4-{preset}-{weights}-{config['num_hidden_layers']}l-drawn"
-    shutil.rmtree(out, ignore_errors=True)
-    out.mkdir(parents=True)
-    recipe = {"preset": preset, "layers": layers, "dense_dtype": dense, "expert_dtype": experts,
-              "seed": seed, "device": str(device)}  # fmt: skip
-    (out / DRAWN_MARKER).write_text(json.dumps(recipe, indent=2) + "\n")
-    write_generation_config(out)
-    write_tokenizer(out, config["max_position_embeddings"])
-    _register_drawn_format()
-    return out
-
-
-def _register_drawn_format() -> None:
-    from engine.loader.model_source import SourceFormat, register_format
-
-    register_format(
-        SourceFormat(
-            name="drawn-deepseek-v4",
-            title="DeepSeek-V4 drawn at load",
-            opener=lambda name, path, dtype, device: _open_drawn(name, path, dtype),
-            marker=DRAWN_MARKER,
-        )
-    )
-
-
-def _open_drawn(name: str, path: Path, dtype: torch.dtype | None):
-    from engine.deepseek_v4_checkpoint import plan, random_tensors
-    from engine.loader.model_source import ModelSource
-    from engine.loader.quant_methods import quant_config_from_hf
-    from engine.models.deepseek_v4_config import DeepseekV4ModelConfig
-    from engine.tokenizer import Tokenizer
-
-    recipe = json.loads((path / DRAWN_MARKER).read_text())
-    config, specs = plan(recipe["preset"], recipe["layers"], recipe["dense_dtype"],
-                         recipe["expert_dtype"], mtp=False)  # fmt: skip
-    cfg = DeepseekV4ModelConfig.from_dict(config)
-    device = torch.device(recipe["device"])
-
-    def stream():
-        # as the safetensors source: an explicit dtype converts the stored float tensors
-        for tensor_name, tensor in random_tensors(cfg, specs, recipe["seed"], device):
-            if dtype is not None and tensor.dtype in _FLOAT_DTYPES:
-                tensor = tensor.to(dtype)
-            yield tensor_name, tensor
-
-    return ModelSource(
-        name=name,
-        path=path,
-        config=config,
-        quant_config=quant_config_from_hf(config, str(path / DRAWN_MARKER)),
-        weight_stream=stream,
-        tokenizer_loader=lambda: Tokenizer.from_dir(path),
-        format="drawn",
-    )
+def random_model(
+    arch: str, preset: str, layers: int | None, weights: str, seed: int = 0, mtp: bool = False
+) -> str:
+    """The `random:` spec (engine/loader/random_source.py) of the model make-random would
+    write: its weights are drawn on the GPU while the engine loads them, with no
+    safetensors written and read back (at v4-flash shapes ~3.6 GB a layer, 150 GB whole,
+    more than the GPU machine's disk)."""
+    query = f"arch={arch}&weights={weights}&seed={seed}&mtp={int(mtp)}"
+    if layers is not None:
+        query += f"&layers={layers}"
+    return f"random:{preset}?{query}"
 
 
 class LayerClock:
@@ -977,17 +934,17 @@ def v4_batch_row(
 
 
 def bench_v4(
-    path: Path, weights: str, batches: tuple[int, ...], prompt_len: int, new_tokens: int,
+    model_name: str, weights: str, batches: tuple[int, ...], prompt_len: int, new_tokens: int,
     copy_bps: float, reads: DecodeReads, full_reads: DecodeReads, device: torch.device,
     dtype: str, engine_options: dict, sampling: dict, info: dict, on_row: Callable[[dict], None],
 ) -> None:  # fmt: skip
-    """Load the drawn model at `path` and measure each batch, handing each row to `on_row`
-    as it is measured; `info` (the run's engine_info entry) is filled as it goes."""
+    """Load `model_name` (a `random:` spec) and measure each batch, handing each row to
+    `on_row` as it is measured; `info` (the run's engine_info entry) is filled as it goes."""
     from engine.llm import LLM
 
     t0 = time.perf_counter()
     llm = LLM(
-        str(path),
+        model_name,
         device=device.type,
         dtype=dtype,
         max_num_seqs=max(batches),
@@ -999,6 +956,7 @@ def bench_v4(
     model = runner.model
     info |= {
         "load_s": time.perf_counter() - t0,
+        "model": model_name,
         "weights_source": "drawn on the device while loading (no files)",
         "kv_blocks": runner.num_blocks,
         "weight_gb": sum(p.numel() * p.element_size() for p in model.parameters()) / 1e9,
@@ -1052,7 +1010,6 @@ def run_v4(
     batches: tuple[int, ...],
     prompt_len: int,
     new_tokens: int,
-    workdir: Path,
     name: str,
     engine_options: dict | None = None,
     sampling: dict | None = None,
@@ -1089,7 +1046,7 @@ def run_v4(
         payload["compressed_entries_per_prompt"] = {
             f"ratio {m}": prompt_len // m for m in sorted(set(cfg.compress_ratios) - {0})
         }
-        path = drawn_v4_model(workdir, preset, layers, w, seed=0, device=dev)
+        model_name = random_model("deepseek_v4", preset, layers, w)
         info = payload["engine_info"][w] = {}
 
         def add_row(row: dict, info: dict = info) -> None:
@@ -1097,9 +1054,8 @@ def run_v4(
             payload["cuda_graphs"] = info["cuda_graphs"]
             write_result(name, payload)  # after each batch, so a cut-off run keeps its numbers
 
-        bench_v4(path, w, batches, prompt_len, new_tokens, copy_bps, DecodeReads(cfg),
+        bench_v4(model_name, w, batches, prompt_len, new_tokens, copy_bps, DecodeReads(cfg),
                  DecodeReads(full_cfg), dev, dtype, engine_options or {}, sampling, info, add_row)  # fmt: skip
-        shutil.rmtree(path, ignore_errors=True)
     path = write_result(name, payload)
     print_v4_tables(payload)
     log(f"wrote {path}")
@@ -1161,8 +1117,11 @@ ARCH_DEFAULTS = {
     type=click.Path(path_type=Path),
     default=Path("/tmp/batchgen-bench"),
     show_default=True,
-    help="Where the random checkpoints (V4: the drawn model's recipe) are written.",
+    help="Where the V3 random checkpoints are written (not with --in-memory).",
 )
+@click.option("--in-memory", is_flag=True,
+              help="V3: draw the model while loading (a `random:` spec), no checkpoint on "
+                   "disk and no transformers run. V4 is always drawn in memory.")  # fmt: skip
 @click.option("--name", default=None,
               help="JSON name (default decode-h200-moonlight; V4 decode-h200-v4-<preset>-<N>l).")  # fmt: skip
 @click.option("--fp8-native-min-tokens", type=int, default=FP8_NATIVE_MIN_TOKENS, show_default=True,
@@ -1186,17 +1145,26 @@ ARCH_DEFAULTS = {
                    "tokens do not depend on its batch (docs/batch-invariance.md).")  # fmt: skip
 @click.option("--fold-input-norm/--no-fold-input-norm", default=True, show_default=True,
               help="DeepSeek layers' input RMSNorm inside the FP8 q/kv_a GEMV (1-8 tokens).")  # fmt: skip
-@click.option("--expert-offload", default="off", show_default=True,
-              help="off | auto | a placement file: routed experts computed on the host CPU.")
-@click.option("--expert-routing-stats", default=None,
-              help="A `bench routing --out` file that --expert-offload auto ranks experts by.")
+@click.option(
+    "--expert-offload",
+    default="off",
+    show_default=True,
+    help="off | auto | a placement file: routed experts computed on the host CPU.",
+)
+@click.option(
+    "--expert-routing-stats",
+    default=None,
+    help="A `bench routing --out` file that --expert-offload auto ranks experts by.",
+)
 @click.option("--temperature", type=float, default=None,
               help="Our engine's requests: 0 is greedy (default 0 for V3, transformers stays "
                    "greedy; 1.0 for V4's random weights).")  # fmt: skip
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 def command(arch, preset, layers, weights, batches, hf_batches, prompt_len, new_tokens, workdir,
-            name, temperature, top_p, **engine_options):  # fmt: skip
+            in_memory, name, temperature, top_p, **engine_options):  # fmt: skip
     """Decode tok/s of a DeepSeek MoE on the GPU vs the roofline (V3: and vs transformers)."""
+    if in_memory and hf_batches is None:
+        hf_batches = ""  # transformers reads files; an in-memory model has none
     given = {"preset": preset, "layers": layers, "weights": weights, "hf_batches": hf_batches,
              "prompt_len": prompt_len, "new_tokens": new_tokens, "temperature": temperature,
              "name": name}  # fmt: skip
@@ -1212,7 +1180,8 @@ def command(arch, preset, layers, weights, batches, hf_batches, prompt_len, new_
         sampling = {"temperature": o["temperature"], "top_p": top_p, "seed": 0}
     if arch == "deepseek_v3":
         run(o["preset"], o["layers"], chosen, _ints(batches), _ints(o["hf_batches"]),
-            o["prompt_len"], o["new_tokens"], workdir, o["name"], engine_options, sampling)  # fmt: skip
+            o["prompt_len"], o["new_tokens"], workdir, o["name"], engine_options, sampling,
+            in_memory)  # fmt: skip
         return
     if _ints(o["hf_batches"]):
         raise click.BadParameter("--hf-batches: the transformers comparison is V3's only")
@@ -1226,7 +1195,7 @@ def command(arch, preset, layers, weights, batches, hf_batches, prompt_len, new_
         raise click.UsageError("bench decode-moe needs a CUDA GPU")
     n = config["num_hidden_layers"]
     run_v4(o["preset"], o["layers"], chosen, _ints(batches), o["prompt_len"], o["new_tokens"],
-           workdir, o["name"] or f"decode-h200-v4-{o['preset']}-{n}l", engine_options,
+           o["name"] or f"decode-h200-v4-{o['preset']}-{n}l", engine_options,
            sampling or {"temperature": 0.0})  # fmt: skip
 
 

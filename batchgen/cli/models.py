@@ -39,14 +39,15 @@ def pull_cmd(name: str) -> None:
 
 @models.command("make-random")
 @click.option(
-    "--arch", default="deepseek_v3", show_default=True, help="deepseek_v3 or deepseek_v4."
+    "--arch", default="deepseek_v3", show_default=True, help="deepseek_v3, deepseek_v4 or llama."
 )
 @click.option(
     "--preset",
     type=click.Choice(["tiny", "moonlight-16b-a3b", "deepseek-v3-671b", "v4-flash"]),
     default="tiny",
     show_default=True,
-    help="tiny exists for both archs; v4-flash is deepseek_v4's, the others deepseek_v3's.",
+    help="tiny exists for every arch (llama: only tiny); v4-flash is deepseek_v4's, the others "
+    "deepseek_v3's.",
 )
 @click.option("--layers", type=int, default=None, help="Keep real layer shapes, fewer layers.")
 @click.option(

@@ -1,11 +1,13 @@
-"""A model on disk, opened: its config, weight formats, tokenizer and a weight stream.
+"""A model, opened: its config, weight formats, tokenizer and a weight stream.
 
-`open_model_source` accepts a catalog alias, a model directory or a model file, and hands
-the path to the format registered for it: a directory kind is known by a marker file in it
-(a Hugging Face directory by config.json), a file kind by its suffix (GGUF by .gguf; a
-directory holding exactly one such file opens that file). Each format's module registers
-its opener here (`register_format`); engine/loader/__init__.py imports the formats, so
-this module never imports them. Weights are streamed one tensor at a time under Hugging
+`open_model_source` accepts a catalog alias, a model directory, a model file or a
+`scheme:` spec. A path goes to the format registered for it: a directory kind is known by
+a marker file in it (a Hugging Face directory by config.json), a file kind by its suffix
+(GGUF by .gguf; a directory holding exactly one such file opens that file). A name that
+starts with a registered scheme and a colon (`random:v4-flash`) goes to that scheme's
+opener, which makes the model without files. Each format's or scheme's module registers
+its opener here (`register_format`, `register_scheme`); engine/loader/__init__.py imports
+them, so this module never imports them. Weights are streamed one tensor at a time under Hugging
 Face names; the model's `load_weights` copies each into place, so no checkpoint is ever
 held twice in memory.
 """
@@ -25,13 +27,13 @@ from engine.tokenizer import Tokenizer
 
 @dataclass
 class ModelSource:
-    name: str  # what the user asked for (alias or path)
-    path: Path  # the resolved file or directory
+    name: str  # what the user asked for (alias, path or scheme spec)
+    path: Path | None  # the resolved file or directory; None for a model made in memory
     config: dict  # Hugging Face config.json keys
     quant_config: QuantConfig
     weight_stream: Callable[[], Iterator[tuple[str, torch.Tensor]]] = field(repr=False)
     tokenizer_loader: Callable[[], Tokenizer | None] = field(repr=False)
-    format: str = "safetensors"  # "safetensors" | "gguf"
+    format: str = "safetensors"  # "safetensors" | "gguf" | a scheme ("random")
 
     def iter_weights(self) -> Iterator[tuple[str, torch.Tensor]]:
         """(Hugging Face name, tensor) for every tensor of the checkpoint, one at a time."""
@@ -72,11 +74,29 @@ class SourceFormat:
 
 
 _FORMATS: dict[str, SourceFormat] = {}
+# (name the user gave, the spec after "scheme:", dtype, device) -> ModelSource
+SchemeOpener = Callable[[str, str, torch.dtype | None, str | torch.device | None], ModelSource]
+_SCHEMES: dict[str, SchemeOpener] = {}
 
 
 def register_format(fmt: SourceFormat) -> None:
     """Make a format openable by `open_model_source` (its module calls this on import)."""
     _FORMATS[fmt.name] = fmt
+
+
+def register_scheme(scheme: str, opener: SchemeOpener) -> None:
+    """Make `scheme:...` names openable by `open_model_source` (its module calls this on
+    import). `scheme` is lower-case letters, at least two, so no Windows drive letter or
+    relative path is taken for one."""
+    if not (len(scheme) >= 2 and scheme.isalpha() and scheme.islower()):
+        raise ValueError(f"model scheme {scheme!r}: use two or more lower-case letters")
+    _SCHEMES[scheme] = opener
+
+
+def spec_scheme(name: str) -> str | None:
+    """The registered scheme `name` starts with (`random` for "random:tiny"), else None."""
+    scheme, colon, _ = name.partition(":")
+    return scheme if colon and scheme in _SCHEMES else None
 
 
 def _directory_formats() -> list[SourceFormat]:
@@ -96,11 +116,15 @@ def open_model_source(
 
     dtype None ("auto") keeps quantized weights in their stored form (GGUF blocks become
     small CPU kernels); an explicit dtype dequantizes GGUF weights to it (float32: exact,
-    for parity tests). `device` tells the GGUF formats whether the CPU kernels apply.
+    for parity tests). `device` is where the model will live: it tells the GGUF formats
+    whether the CPU kernels apply, and a scheme that makes weights where to make them.
     """
     from engine.loader.catalog import is_alias, resolve_model
 
     name = str(model)
+    scheme = spec_scheme(name)
+    if scheme is not None:
+        return _SCHEMES[scheme](name, name[len(scheme) + 1 :], dtype, device)
     path = resolve_model(name) if is_alias(name) else Path(name).expanduser()
     if not path.exists():
         raise FileNotFoundError(

@@ -70,3 +70,28 @@ def test_the_command_parses_its_options_and_refuses_without_a_gpu():
     assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
     result = CliRunner().invoke(command, ["--weights", "fp4"])
     assert result.exit_code == 2 and "unknown weights ['fp4']" in result.output
+
+
+def test_the_in_memory_v3_model_is_the_checkpoint_the_bench_writes(tmp_path):
+    from batchgen.bench.decode_moe import random_model
+    from engine.checkpoint_maker import make_random_checkpoint
+    from engine.loader import open_model_source
+
+    written = make_random_checkpoint(tmp_path / "m", preset="tiny", layers=2, dense_dtype="fp8",
+                                     expert_dtype="mxfp4", seed=0, device="cpu", mtp=False)  # fmt: skip
+    spec = random_model("deepseek_v3", "tiny", 2, "fp8-mxfp4")
+    drawn, stored = open_model_source(spec), open_model_source(written)
+    assert drawn.config == stored.config
+    tensors = dict(stored.iter_weights())
+    names = [name for name, t in drawn.iter_weights() if torch.equal(t, tensors[name])]
+    assert sorted(names) == sorted(tensors)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the refusal is the CPU's")
+def test_in_memory_runs_without_transformers():
+    from batchgen.bench.decode_moe import command
+
+    result = CliRunner().invoke(command, ["--in-memory", "--hf-batches", "1"])
+    assert result.exit_code == 2 and "--in-memory has none" in result.output
+    result = CliRunner().invoke(command, ["--in-memory"])  # no transformers batches by default
+    assert result.exit_code == 2 and "needs a CUDA GPU" in result.output

@@ -1,6 +1,6 @@
 """`bench decode-moe --arch deepseek_v4`: the bytes a decode step must read, held against
-MODELS.md section 4's V4-Flash table (from the real config, no weights drawn); the model
-drawn at load holding exactly the weights `make_random_v4_checkpoint` writes; and the
+MODELS.md section 4's V4-Flash table (from the real config, no weights drawn); the bench's
+`random:` model holding exactly the weights `make_random_v4_checkpoint` writes; and the
 whole benchmark on the tiny preset on the CPU (batches 1 and 2, 2 decode steps), its JSON
 checked field by field."""
 
@@ -15,7 +15,7 @@ from click.testing import CliRunner
 from batchgen.bench.decode_moe import (
     LayerClock,
     command,
-    drawn_v4_model,
+    random_model,
     run_engine_batch,
     run_v4,
     v4_layer_ms,
@@ -121,11 +121,11 @@ def test_extrapolation_times_each_layer_by_its_kind():
     assert graphed == pytest.approx(23.5 / 2)
 
 
-def test_the_drawn_model_holds_the_weights_the_maker_writes(tmp_path):
+def test_the_benchs_model_holds_the_weights_the_maker_writes(tmp_path):
     written = make_random_v4_checkpoint(tmp_path / "written", preset="tiny", dense_dtype="fp8",
                                         expert_dtype="mxfp4", mtp=False, device="cpu")  # fmt: skip
-    drawn = drawn_v4_model(tmp_path, "tiny", None, "fp8-mxfp4", seed=0, device=torch.device("cpu"))
-    assert not list(drawn.glob("*.safetensors"))
+    drawn = random_model("deepseek_v4", "tiny", None, "fp8-mxfp4")
+    assert drawn.startswith("random:tiny?")
     models = [LLM(str(p), dtype="bfloat16").engine.runner.model for p in (written, drawn)]
     a, b = (m.state_dict() for m in models)
     assert a.keys() == b.keys()
@@ -134,11 +134,9 @@ def test_the_drawn_model_holds_the_weights_the_maker_writes(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def tiny_v4_llm(tmp_path_factory):
+def tiny_v4_llm():
     """The tiny preset's first 2 layers, drawn at load, on the CPU."""
-    path = drawn_v4_model(tmp_path_factory.mktemp("v4"), "tiny", 2, "bf16", seed=0,
-                          device=torch.device("cpu"))  # fmt: skip
-    return LLM(str(path), dtype="float32", max_num_seqs=2)
+    return LLM(random_model("deepseek_v4", "tiny", 2, "bf16"), dtype="float32", max_num_seqs=2)
 
 
 SAMPLED = {"temperature": 1.0, "seed": 0}
@@ -176,8 +174,8 @@ def test_layers_are_timed_in_eager_steps_when_decode_steps_replay_graphs(tiny_v4
 def test_the_v4_bench_on_the_tiny_preset_writes_every_figure(tmp_path, monkeypatch):
     monkeypatch.setattr("batchgen.bench.common.BENCH_DIR", tmp_path / "bench")
     # 20 tokens of context: 5 CSA (ratio 4) and 2 HCA (ratio 8) entries per sequence
-    run_v4("tiny", 3, ("fp8-mxfp4",), (1, 2), prompt_len=20, new_tokens=3,
-           workdir=tmp_path / "work", name="v4", device="cpu")  # fmt: skip
+    run_v4("tiny", 3, ("fp8-mxfp4",), (1, 2), prompt_len=20, new_tokens=3, name="v4",
+           device="cpu")  # fmt: skip
     out = json.loads((tmp_path / "bench" / "v4.json").read_text())
     assert out["arch"] == "deepseek_v4" and out["layers"] == 3 and out["full_layers"] == 4
     assert out["cuda_graphs"] is False and out["sampling"]["temperature"] == 1.0
@@ -193,6 +191,7 @@ def test_the_v4_bench_on_the_tiny_preset_writes_every_figure(tmp_path, monkeypat
         assert la["hub_bytes"] == hub > 0 and la["engine_param_bytes"] > 0
     assert set(info["launches_per_step_batch1"]) == {"eager"}  # no graphs: eager steps
     assert info["load_s"] > 0 and info["weights_source"].startswith("drawn")
+    assert info["model"] == "random:tiny?arch=deepseek_v4&weights=fp8-mxfp4&seed=0&mtp=0&layers=3"
 
     assert [r["batch"] for r in out["results"]] == [1, 2]
     for r in out["results"]:
@@ -230,7 +229,7 @@ def test_the_v4_command_checks_its_options_then_refuses_without_a_gpu():
     result = invoke("--layers", "2", "--batches", "1,8")
     assert result.exit_code == 2 and "needs a CUDA GPU" in result.output
     result = invoke("--layers", "44")
-    assert result.exit_code == 2 and "--layers must be in 1..43" in result.output
+    assert result.exit_code == 2 and "layers must be in 1..43" in result.output
     result = invoke("--preset", "moonlight-16b-a3b")
     assert result.exit_code == 2 and "unknown deepseek_v4 preset" in result.output
     result = invoke("--hf-batches", "1")

@@ -7,6 +7,7 @@ import pytest
 import torch
 from click.testing import CliRunner
 
+from engine import SamplingParams
 from engine.checkpoint_maker import PRESETS, build_config, make_random_checkpoint
 from kernels.formats.fp8 import dequantize_fp8_block
 from kernels.formats.mxfp4 import dequantize_mxfp4
@@ -83,5 +84,29 @@ def test_cli_make_random(tmp_path):
     )
     assert result.exit_code == 0, result.output
     assert json.loads((out / "config.json").read_text())["expert_dtype"] == "fp4"
-    bad = CliRunner().invoke(models, ["make-random", "--arch", "llama", str(tmp_path / "x")])
-    assert bad.exit_code != 0 and "deepseek_v3" in bad.output
+    bad = CliRunner().invoke(models, ["make-random", "--arch", "gpt2", str(tmp_path / "x")])
+    assert bad.exit_code != 0 and "'deepseek_v3', 'deepseek_v4', 'llama'" in bad.output
+    bad = CliRunner().invoke(
+        models, ["make-random", "--arch", "llama", "--preset", "v4-flash", str(tmp_path / "y")]
+    )
+    assert bad.exit_code != 0 and "a deepseek_v4 preset" in bad.output
+
+
+def test_llama_checkpoint_loads_and_holds_the_drawn_scales(tmp_path):
+    from engine import LLM
+
+    out = make_random_checkpoint(tmp_path / "llama", arch="llama", layers=3, seed=1, device="cpu")
+    config, tensors = read_checkpoint(out)
+    tensors = dict(tensors)
+    assert config["model_type"] == "llama" and config["num_hidden_layers"] == 3
+    assert len(tensors) == 1 + 3 * 9 + 2 and all(
+        t.dtype == torch.bfloat16 for t in tensors.values()
+    )
+    q = tensors["model.layers.2.self_attn.q_proj.weight"].float()  # N(0, 1/64)
+    assert q.shape == (64, 64) and abs(q.std().item() * 8 - 1) < 0.1
+    k = tensors["model.layers.0.self_attn.k_proj.weight"]
+    assert k.shape == (32, 64)  # 2 KV heads of 16
+    norm = tensors["model.norm.weight"].float()
+    assert abs(norm.mean().item() - 1) < 0.05 and 0.05 < norm.std().item() < 0.15
+    llm = LLM(str(out), dtype="float32", device="cpu")
+    assert len(llm.generate("hi", SamplingParams(max_tokens=3))[0].outputs[0].token_ids) == 3
