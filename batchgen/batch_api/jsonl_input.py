@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Iterator
+from itertools import islice
 from pathlib import Path
 
 import numpy as np
@@ -44,26 +45,30 @@ def detect_format(spec: InputSpec) -> str:
     if head == b"PAR1":
         return "parquet"
     first = _first_request(path)
-    if isinstance(first, dict) and "params" in first:
+    if first is None:
+        # No request object near the top: a request file whose check names its bad lines,
+        # or (another extension) a file for the Parquet reader to refuse.
+        return "openai_batch" if suffix in (".jsonl", ".json") else "parquet"
+    if "params" in first:
         return "anthropic_batch"
-    if isinstance(first, dict) and ("body" in first or "url" in first):
+    if "body" in first or "url" in first:
         return "openai_batch"
-    if suffix in (".jsonl", ".json"):
-        raise JobError(
-            f"input.path: cannot tell whether {path} is an OpenAI or Anthropic batch file from "
-            "its first line; set input.format: openai_batch or anthropic_batch"
-        )
-    return "parquet"
+    raise JobError(
+        f"input.path: cannot tell whether {path} is an OpenAI or Anthropic batch file from "
+        "its first request; set input.format: openai_batch or anthropic_batch"
+    )
 
 
-def _first_request(path: Path) -> object:
+def _first_request(path: Path, lines: int = 100) -> dict | None:
+    """The first line among the first `lines` that is a JSON object."""
     with open(path, "rb") as f:
-        for raw in iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""):
-            if raw.strip():
-                try:
-                    return json.loads(raw)
-                except ValueError:
-                    return None
+        for raw in islice(iter(lambda: f.readline(MAX_LINE_BYTES + 1), b""), lines):
+            try:
+                line = json.loads(raw)
+            except ValueError:
+                continue
+            if isinstance(line, dict):
+                return line
     return None
 
 
