@@ -64,7 +64,9 @@ def test_fields_cover_every_numeric_and_boolean_key():
     seen = set()
     for name, info in sections.items():
         # An optional section (prompt) is `Spec | None`: its fields are the Spec's.
-        section = next(a for a in get_args(info.annotation) or [info.annotation] if a is not type(None))
+        section = next(
+            a for a in get_args(info.annotation) or [info.annotation] if a is not type(None)
+        )
         for key, field in section.model_fields.items():
             text = str(field.annotation)
             if any(t in text for t in ("int", "float", "bool")):
