@@ -493,6 +493,12 @@ def _conclude(
     if code in (EXIT_OK, EXIT_SOME_ERRORS):
         run_dir.success.write_text("")
     message = _summary(code, run_dir, len(done_ids), ctx.total_rows, error_rows, job_path)
+    if code in (EXIT_OK, EXIT_SOME_ERRORS) and job.output.export is not None:
+        from batchgen.batch_api.export import export_run
+
+        export_dir = run_dir.path / "export"
+        export_run(run_dir.path, job.output.export, export_dir)
+        message += f" (exported as {job.output.export} to {export_dir})"
     if gave_up is not None:
         message = f"stopped: {gave_up}; " + message.removeprefix("interrupted: ")
     return code, message
