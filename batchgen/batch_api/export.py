@@ -103,7 +103,7 @@ def _requests(run_dir: RunDir) -> Iterator[tuple[list[dict], float]]:
 
 
 def _hashed(prefix: str, *parts: Any) -> str:
-    blob = "\0".join(str(p) for p in parts).encode()
+    blob = "\0".join(str(p) for p in (prefix, *parts)).encode()
     return prefix + hashlib.blake2b(blob, digest_size=12).hexdigest()
 
 
