@@ -9,7 +9,7 @@ from collections.abc import Collection
 from dataclasses import dataclass
 from typing import Any
 
-from batchgen.batch_api.request_params import RequestError, _got
+from batchgen.batch_api.request_params import RequestError, described
 
 OPENAI_ROLES = ("system", "developer", "user", "assistant")
 ANTHROPIC_ROLES = ("user", "assistant")
@@ -32,22 +32,22 @@ def content_text(label: str, value: Any) -> str:
     if isinstance(value, str):
         return value
     if not isinstance(value, (list, tuple)) or not value:
-        raise RequestError(label, f"expected a string or a list of text parts, {_got(value)}")
+        raise RequestError(label, f"expected a string or a list of text parts, {described(value)}")
     texts = []
     for i, part in enumerate(value):
         where = f"{label}[{i}]"
         if not isinstance(part, dict):
-            raise RequestError(where, f"expected a {{type: text, text}} part, {_got(part)}")
+            raise RequestError(where, f"expected a {{type: text, text}} part, {described(part)}")
         if part.get("type") != "text":
             raise RequestError(
-                f"{where}.type", f"only text parts are supported, {_got(part.get('type'))}"
+                f"{where}.type", f"only text parts are supported, {described(part.get('type'))}"
             )
         unknown = sorted(k for k in part if k not in ("type", "text", "cache_control"))
         if unknown:
             raise RequestError(f"{where}.{unknown[0]}", "unknown key")
         text = part.get("text")
         if not isinstance(text, str):
-            raise RequestError(f"{where}.text", f"expected a string, {_got(text)}")
+            raise RequestError(f"{where}.text", f"expected a string, {described(text)}")
         texts.append(text)
     return "\n".join(texts)
 
@@ -58,25 +58,38 @@ def parse_messages(label: str, value: Any, roles: Collection[str]) -> list[Messa
     if hasattr(value, "tolist"):  # a numpy array from a Parquet list column
         value = value.tolist()
     if not isinstance(value, (list, tuple)) or not value:
-        raise RequestError(label, f"expected a non-empty list of messages, {_got(value)}")
+        raise RequestError(label, f"expected a non-empty list of messages, {described(value)}")
     if len(value) > MAX_MESSAGES:
         raise RequestError(label, f"at most {MAX_MESSAGES:,} messages, got {len(value):,}")
     messages = []
     for i, item in enumerate(value):
         where = f"{label}[{i}]"
         if not isinstance(item, dict):
-            raise RequestError(where, f"expected a {{role, content}} object, {_got(item)}")
+            raise RequestError(where, f"expected a {{role, content}} object, {described(item)}")
         unknown = sorted(k for k in item if k not in ("role", "content"))
         if unknown:
             raise RequestError(f"{where}.{unknown[0]}", "unknown key")
         role = item.get("role")
         if role not in roles:
-            raise RequestError(f"{where}.role", f"expected one of {', '.join(roles)}, {_got(role)}")
+            raise RequestError(
+                f"{where}.role", f"expected one of {', '.join(roles)}, {described(role)}"
+            )
         if "content" not in item or item["content"] is None:
             raise RequestError(f"{where}.content", "missing")
         text = content_text(f"{where}.content", item["content"])
         messages.append(Message(_ROLE_ALIASES.get(role, role), text))
     return messages
+
+
+def without_nulls(value: Any) -> Any:
+    """A Parquet list<struct> column gives every struct field of every message, null where
+    the message has none: those keys are not set, not unknown."""
+    if isinstance(value, list):
+        return [
+            {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
+            for m in value
+        ]
+    return value
 
 
 def conversation_text(messages: list[Message]) -> str:

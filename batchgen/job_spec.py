@@ -105,7 +105,10 @@ class PromptSpec(_Section):
         if self.template is not None and self.messages is not None:
             raise ValueError("give either prompt.template or prompt.messages, not both")
         if self.template is None and self.chat is False:
-            raise ValueError("chat rows (no prompt.template) need the chat template: chat: false")
+            raise ValueError(
+                "prompt.chat: false needs a prompt.template (chat rows, from a messages "
+                "column, go through the chat template)"
+            )
         return self
 
     @property

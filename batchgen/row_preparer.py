@@ -17,7 +17,12 @@ from batchgen.batch_api.jsonl_input import REQUEST
 from batchgen.batch_api.openai_request import parse_openai_line
 from batchgen.batch_api.request_params import RequestError, resolve
 from batchgen.chat_render import ConversationRenderer
-from batchgen.conversation import OPENAI_ROLES, conversation_text, parse_messages
+from batchgen.conversation import (
+    OPENAI_ROLES,
+    conversation_text,
+    parse_messages,
+    without_nulls,
+)
 from batchgen.job_spec import BATCH_FILE_FORMATS, JobError, JobSpec, cut
 from batchgen.render import PromptRenderer
 from batchgen.row_sampling import RowSampling
@@ -112,14 +117,8 @@ class RowPreparer:
         value = row.values.get(column)
         if value is None:
             raise RequestError(f"column '{column}'", "null", "null_input")
-        if isinstance(value, list):  # a struct column gives every field; unset ones are null
-            value = [
-                {k: v for k, v in m.items() if v is not None} if isinstance(m, dict) else m
-                for m in value
-            ]
-        return BatchRequest(
-            CHAT, messages=parse_messages(f"column '{column}'", value, OPENAI_ROLES)
-        )
+        messages = parse_messages(f"column '{column}'", without_nulls(value), OPENAI_ROLES)
+        return BatchRequest(CHAT, messages=messages)
 
     def _fill(self, prepared: PreparedRow, request: BatchRequest, sampling: RowSampling) -> None:
         if request.endpoint == CHAT:
@@ -168,7 +167,7 @@ def chat_row_text(job: JobSpec, row: InputRow) -> str | None:
         value = row.values.get(job.prompt.messages_column)
         if value is None:
             return None
-        return conversation_text(parse_messages("messages", value, OPENAI_ROLES))
+        return conversation_text(parse_messages("messages", without_nulls(value), OPENAI_ROLES))
     except RequestError:
         return None
 

@@ -9,7 +9,7 @@ the system prompt is its own key (a string or text blocks)."""
 from __future__ import annotations
 
 from batchgen.batch_api.batch_request import CHAT, BatchRequest
-from batchgen.batch_api.request_params import RequestError, _got
+from batchgen.batch_api.request_params import RequestError, described
 from batchgen.conversation import ANTHROPIC_ROLES, Message, content_text, parse_messages
 
 LINE_KEYS = ("custom_id", "params")
@@ -31,7 +31,7 @@ def parse_anthropic_line(line: dict) -> BatchRequest:
         raise RequestError(unknown[0], "unknown key in the request line")
     params = line.get("params")
     if not isinstance(params, dict):
-        raise RequestError("params", f"expected an object, {_got(params)}")
+        raise RequestError("params", f"expected an object, {described(params)}")
     for key, value in params.items():
         if key == "stream":
             if value not in (False, None):
@@ -40,7 +40,7 @@ def parse_anthropic_line(line: dict) -> BatchRequest:
             raise RequestError(f"params.{key}", "unknown parameter")
     model = params.get("model")
     if model is not None and not isinstance(model, str):
-        raise RequestError("params.model", f"expected a string, {_got(model)}")
+        raise RequestError("params.model", f"expected a string, {described(model)}")
     for required in ("max_tokens", "messages"):
         if params.get(required) is None:
             raise RequestError(f"params.{required}", "missing (required by the Messages API)")

@@ -11,7 +11,7 @@ from __future__ import annotations
 from typing import Any
 
 from batchgen.batch_api.batch_request import CHAT, COMPLETION, BatchRequest
-from batchgen.batch_api.request_params import GUIDED_PARAMETERS, RequestError, _got
+from batchgen.batch_api.request_params import GUIDED_PARAMETERS, RequestError, described
 from batchgen.conversation import OPENAI_ROLES, parse_messages
 
 CHAT_URL = "/v1/chat/completions"
@@ -34,7 +34,7 @@ _SHARED = (
     "response_format",
     *GUIDED_PARAMETERS,
 )
-# body key -> canonical parameter (request_params.ROW_PARAMETERS)
+# body key -> canonical parameter (job_spec.ROW_PARAMETERS)
 CHAT_PARAMETERS = {
     **{k: k for k in _SHARED},
     "top_logprobs": "top_logprobs",
@@ -51,15 +51,15 @@ def parse_openai_line(line: dict) -> BatchRequest:
         raise RequestError(unknown[0], "unknown key in the request line")
     method = line.get("method", "POST")
     if method != "POST":
-        raise RequestError("method", f"only POST is supported, {_got(method)}")
+        raise RequestError("method", f"only POST is supported, {described(method)}")
     url = line.get("url")
     if url not in URLS:
         raise RequestError(
-            "url", f"unsupported url, expected {CHAT_URL} or {COMPLETIONS_URL}, {_got(url)}"
+            "url", f"unsupported url, expected {CHAT_URL} or {COMPLETIONS_URL}, {described(url)}"
         )
     body = line.get("body")
     if not isinstance(body, dict):
-        raise RequestError("body", f"expected an object, {_got(body)}")
+        raise RequestError("body", f"expected an object, {described(body)}")
     endpoint = URLS[url]
     known = CHAT_PARAMETERS if endpoint == CHAT else COMPLETION_PARAMETERS
     content_key = "messages" if endpoint == CHAT else "prompt"
@@ -71,7 +71,7 @@ def parse_openai_line(line: dict) -> BatchRequest:
             raise RequestError(f"body.{key}", f"unknown parameter for {url}")
     model = body.get("model")
     if model is not None and not isinstance(model, str):
-        raise RequestError("body.model", f"expected a string, {_got(model)}")
+        raise RequestError("body.model", f"expected a string, {described(model)}")
     request = BatchRequest(endpoint)
     if content_key not in body:
         raise RequestError(f"body.{content_key}", "missing")
@@ -98,7 +98,7 @@ def _prompt(value: Any) -> str | list[int]:
         return list(value)
     raise RequestError(
         "body.prompt",
-        f"expected a string or a list of token ids (one prompt per line), {_got(value)}",
+        f"expected a string or a list of token ids (one prompt per line), {described(value)}",
     )
 
 

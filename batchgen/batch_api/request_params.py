@@ -37,24 +37,24 @@ class RequestError(Exception):
         self.error_type = error_type
 
 
-def _got(value: Any) -> str:
+def described(value: Any) -> str:
     return f"got {type(value).__name__} {short_repr(value)}"
 
 
 def _number(label: str, value: Any, lo: float, hi: float, lo_open: bool = False) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)):
-        raise RequestError(label, f"expected a number, {_got(value)}")
+        raise RequestError(label, f"expected a number, {described(value)}")
     if not math.isfinite(value) or value > hi or value < lo or (lo_open and value == lo):
         low = f"({lo}" if lo_open else f"[{lo}"
-        raise RequestError(label, f"expected a number in {low}, {hi}], {_got(value)}")
+        raise RequestError(label, f"expected a number in {low}, {hi}], {described(value)}")
     return float(value)
 
 
 def _integer(label: str, value: Any, lo: int, hi: int) -> int:
     if isinstance(value, bool) or not isinstance(value, int):
-        raise RequestError(label, f"expected an integer, {_got(value)}")
+        raise RequestError(label, f"expected an integer, {described(value)}")
     if not lo <= value <= hi:
-        raise RequestError(label, f"expected an integer in [{lo}, {hi}], {_got(value)}")
+        raise RequestError(label, f"expected an integer in [{lo}, {hi}], {described(value)}")
     return value
 
 
@@ -63,7 +63,7 @@ def _stop(label: str, value: Any) -> tuple[str, ...]:
         return ()
     items = [value] if isinstance(value, str) else value
     if not isinstance(items, (list, tuple)) or not all(isinstance(s, str) for s in items):
-        raise RequestError(label, f"expected a string or a list of strings, {_got(value)}")
+        raise RequestError(label, f"expected a string or a list of strings, {described(value)}")
     if len(items) > MAX_STOP_STRINGS:
         raise RequestError(label, f"at most {MAX_STOP_STRINGS} stop strings, got {len(items)}")
     if any(len(s) > MAX_STOP_CHARS for s in items):
@@ -76,15 +76,17 @@ def _schema(label: str, value: Any) -> dict:
         try:
             value = json.loads(value)
         except ValueError:
-            raise RequestError(label, f"not valid JSON, {_got(value)}") from None
+            raise RequestError(label, f"not valid JSON, {described(value)}") from None
     if not isinstance(value, dict):
-        raise RequestError(label, f"expected a JSON schema object, {_got(value)}")
+        raise RequestError(label, f"expected a JSON schema object, {described(value)}")
     return value
 
 
 def _choices(label: str, value: Any) -> list[str]:
     if not isinstance(value, list) or not value or not all(isinstance(c, str) and c for c in value):
-        raise RequestError(label, f"expected a non-empty list of non-empty strings, {_got(value)}")
+        raise RequestError(
+            label, f"expected a non-empty list of non-empty strings, {described(value)}"
+        )
     if len(value) > MAX_CHOICES:
         raise RequestError(label, f"at most {MAX_CHOICES} choices, got {len(value)}")
     return list(value)
@@ -103,13 +105,14 @@ def response_format(label: str, value: Any) -> dict | None:
         try:
             value = json.loads(value)
         except ValueError:
-            raise RequestError(label, f"not valid JSON, {_got(value)}") from None
+            raise RequestError(label, f"not valid JSON, {described(value)}") from None
     if not isinstance(value, dict):
-        raise RequestError(label, f"expected an object with a 'type', {_got(value)}")
+        raise RequestError(label, f"expected an object with a 'type', {described(value)}")
     kind = value.get("type")
     if kind not in RESPONSE_FORMAT_TYPES:
         raise RequestError(
-            f"{label}.type", f"expected one of {', '.join(RESPONSE_FORMAT_TYPES)}, {_got(kind)}"
+            f"{label}.type",
+            f"expected one of {', '.join(RESPONSE_FORMAT_TYPES)}, {described(kind)}",
         )
     if kind in ("text", "json_object"):
         _only_keys(label, value, {"type"})
@@ -118,7 +121,7 @@ def response_format(label: str, value: Any) -> dict | None:
         _only_keys(label, value, {"type", "regex"})
         regex = value.get("regex")
         if not isinstance(regex, str) or not regex:
-            raise RequestError(f"{label}.regex", f"expected a non-empty string, {_got(regex)}")
+            raise RequestError(f"{label}.regex", f"expected a non-empty string, {described(regex)}")
         return {"type": "regex", "regex": regex}
     if kind == "choice":
         _only_keys(label, value, {"type", "choice"})
@@ -127,18 +130,18 @@ def response_format(label: str, value: Any) -> dict | None:
     spec = value.get("json_schema")
     where = f"{label}.json_schema"
     if not isinstance(spec, dict):
-        raise RequestError(where, f"expected an object with a 'schema', {_got(spec)}")
+        raise RequestError(where, f"expected an object with a 'schema', {described(spec)}")
     _only_keys(where, spec, {"name", "schema", "strict", "description"})
     if "schema" not in spec:
         raise RequestError(f"{where}.schema", "missing")
     out: dict[str, Any] = {"schema": _schema(f"{where}.schema", spec["schema"])}
     name = spec.get("name")
     if name is not None and not isinstance(name, str):
-        raise RequestError(f"{where}.name", f"expected a string, {_got(name)}")
+        raise RequestError(f"{where}.name", f"expected a string, {described(name)}")
     out["name"] = name or "response"
     strict = spec.get("strict")
     if strict is not None and not isinstance(strict, bool):
-        raise RequestError(f"{where}.strict", f"expected true or false, {_got(strict)}")
+        raise RequestError(f"{where}.strict", f"expected true or false, {described(strict)}")
     if strict is not None:
         out["strict"] = strict
     return {"type": "json_schema", "json_schema": out}
@@ -156,7 +159,7 @@ def _logprobs(label: str, value: Any) -> int | None:
 def _guided(param: str, label: str, value: Any) -> dict:
     if param == "guided_regex":
         if not isinstance(value, str) or not value:
-            raise RequestError(label, f"expected a non-empty string, {_got(value)}")
+            raise RequestError(label, f"expected a non-empty string, {described(value)}")
         return {"type": "regex", "regex": value}
     if param == "guided_choice":
         return {"type": "choice", "choice": _choices(label, value)}

@@ -203,3 +203,21 @@ def test_anthropic_requests(tmp_path):
     assert errors["d"].startswith("params.messages[0].role:")
     assert errors["e"].startswith("params.max_tokens:")
     assert set(df["endpoint"]) == {"/v1/messages"}
+
+
+def test_requests_are_embedded_by_their_messages_for_task_clusters(tmp_path):
+    from batchgen.task_clusters import prompt_texts
+
+    lines = [
+        openai_chat("a", "Translate the memo", messages=[
+            {"role": "system", "content": "Be brief."},
+            {"role": "user", "content": "Translate the memo"},
+        ]),
+        openai_completion("b", "Once upon a time"),
+        openai_chat("c", "hi", messages=[{"role": "wizard", "content": "x"}]),
+    ]  # fmt: skip
+    data = write_jsonl(tmp_path / "batch.jsonl", lines)
+    job = parse_job(batch_job(tmp_path, data, str(tmp_path), batching={"cluster": "auto"}))
+    ctx = open_job(job)
+    texts = dict(prompt_texts(job, ctx.input.rows()))
+    assert texts == {"a": "Translate the memo", "b": "Once upon a time", "c": None}
