@@ -221,3 +221,28 @@ def test_requests_are_embedded_by_their_messages_for_task_clusters(tmp_path):
     ctx = open_job(job)
     texts = dict(prompt_texts(job, ctx.input.rows()))
     assert texts == {"a": "Translate the memo", "b": "Once upon a time", "c": None}
+
+
+def test_checking_a_large_file_holds_no_line_in_memory(tmp_path):
+    """20,000 requests (~7 MB): the whole-file check keeps a hash per line, not lines."""
+    import tracemalloc
+
+    from batchgen.batch_api.jsonl_input import BatchFileInput
+
+    line = '{"custom_id": "r%07d", "method": "POST", "url": "/v1/chat/completions", ' + (
+        '"body": {"messages": [{"role": "user", "content": "%s"}]}}\n'
+    )
+    count = 20_000
+    path = tmp_path / "big.jsonl"
+    with open(path, "w") as f:
+        for i in range(count):
+            f.write(line % (i, "x" * 240))
+    source = BatchFileInput(InputSpec(path=str(path)), "openai_batch")
+    tracemalloc.start()
+    try:
+        assert source.check_ids() == count
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert path.stat().st_size > 6e6
+    assert peak < 2e6, peak  # the hashes (a list of 20,000 ints): ~1 MB
