@@ -276,6 +276,8 @@ def _format_validation_error(exc: ValidationError) -> str:
             lines.append(f"unknown key '{where}'")
         elif err["type"] == "missing":
             lines.append(f"missing key '{where}'")
+        elif err["type"] == "value_error":  # a check across keys: its message names them
+            lines.append(cut(str(err["ctx"]["error"]), 500))
         else:
             got = err.get("input")
             lines.append(

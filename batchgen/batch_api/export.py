@@ -39,6 +39,7 @@ REQUEST_ERRORS = {
     "empty_prompt",
     "null_input",
     "render_error",
+    "engine_rejected",  # the engine refused the request alone (a prompt over its context)
 }
 _COLUMNS = [
     "id",
