@@ -5,6 +5,7 @@ their own parameters. Over the fake engine; test_batch_api_end_to_end.py runs th
 
 from __future__ import annotations
 
+import json
 import random
 
 import polars as pl
@@ -246,3 +247,23 @@ def test_checking_a_large_file_holds_no_line_in_memory(tmp_path):
         tracemalloc.stop()
     assert path.stat().st_size > 6e6
     assert peak < 2e6, peak  # the hashes (a list of 20,000 ints): ~1 MB
+
+
+def test_interrupted_batch_file_run_resumes_and_exports_each_custom_id_once(tmp_path):
+    from batchgen.run import EXIT_INTERRUPTED
+    from tests.batchgen.test_run_loop import _InterruptingLLM
+
+    lines = [openai_chat(f"q{i}", f"question {i}", n=1 + i % 2) for i in range(30)]
+    data = write_jsonl(tmp_path / "batch.jsonl", lines)
+    job = batch_job(tmp_path, data, str(tmp_path), output={"export": "openai_batch"})
+    assert run(job, _InterruptingLLM(after=17)).exit_code == EXIT_INTERRUPTED
+    assert not (tmp_path / "run" / "export").exists()  # exported only once finished
+    committed = set(_results(tmp_path)["id"])
+    assert committed
+    second = FakeLLM()
+    assert run(job, second).exit_code == EXIT_OK
+    df = _results(tmp_path)
+    assert len(df) == sum(1 + i % 2 for i in range(30))
+    assert second.pulled == sum(1 + i % 2 for i in range(30) if f"q{i}" not in committed)
+    output = (tmp_path / "run" / "export" / "output.jsonl").read_text().splitlines()
+    assert sorted(json.loads(x)["custom_id"] for x in output) == sorted(f"q{i}" for i in range(30))
