@@ -121,6 +121,8 @@ class RowPreparer:
         return BatchRequest(CHAT, messages=messages)
 
     def _fill(self, prepared: PreparedRow, request: BatchRequest, sampling: RowSampling) -> None:
+        # Set first: a row that fails below still has its n error rows.
+        prepared.sampling = None if sampling == self.base else sampling
         if request.endpoint == CHAT:
             if not self.chat.has_chat_template:
                 raise RequestError(
@@ -150,7 +152,6 @@ class RowPreparer:
                 "prompt_too_long",
             )
         prepared.prompt_token_ids = ids
-        prepared.sampling = None if sampling == self.base else sampling
 
 
 def chat_row_text(job: JobSpec, row: InputRow) -> str | None:

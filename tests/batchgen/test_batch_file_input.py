@@ -267,3 +267,12 @@ def test_interrupted_batch_file_run_resumes_and_exports_each_custom_id_once(tmp_
     assert second.pulled == sum(1 + i % 2 for i in range(30) if f"q{i}" not in committed)
     output = (tmp_path / "run" / "export" / "output.jsonl").read_text().splitlines()
     assert sorted(json.loads(x)["custom_id"] for x in output) == sorted(f"q{i}" for i in range(30))
+
+
+def test_a_request_that_cannot_run_has_an_error_row_per_completion(tmp_path):
+    lines = [openai_chat("long", "hi", n=3, max_tokens=100_000), openai_chat("ok", "hi")]
+    data = write_jsonl(tmp_path / "batch.jsonl", lines)
+    assert run(batch_job(tmp_path, data, str(tmp_path)), FakeLLM()).exit_code == EXIT_SOME_ERRORS
+    long = _results(tmp_path).filter(pl.col("id") == "long").sort("n_index")
+    assert long["n_index"].to_list() == [0, 1, 2]
+    assert set(long["error_type"]) == {"prompt_too_long"}
