@@ -199,6 +199,9 @@ class _Loop:
     def _finish_row(self, results: list[ResultRow]) -> None:
         self.writer.add(results)
         self.stats.record_row(results)
+        # The budget is a fraction of the result rows; a row with its own n adds or
+        # takes away completions from the job's rows x n as it finishes.
+        self.budget_rows += self.job.errors.budget * (len(results) - self.n)
         if self.stats.errors_total > self.budget_rows:
             self.budget_exceeded = True
         self.progress.update(self.stats)
