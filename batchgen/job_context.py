@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pyarrow as pa
 
-from batchgen.job_spec import JobError, JobSpec
+from batchgen.batch_api.jsonl_input import BatchFileInput, detect_format
+from batchgen.job_spec import BATCH_FILE_FORMATS, JobError, JobSpec
 from batchgen.planner import cluster_mode
 from batchgen.reader import ParquetInput
 from batchgen.render import template_columns
@@ -20,10 +21,11 @@ from batchgen.writer import output_column_for, result_schema
 @dataclass
 class JobContext:
     job: JobSpec
-    input: ParquetInput
+    input: ParquetInput | BatchFileInput
     carry_map: dict[str, str]  # input column -> output column
     schema: pa.Schema  # of the result parts
     total_rows: int
+    format: str = "parquet"  # input format: parquet | openai_batch | anthropic_batch
 
 
 def check_model_path(path: str) -> None:
@@ -73,15 +75,39 @@ def open_job(job: JobSpec, check_ids: bool = True) -> JobContext:
     """Check the job against its input and model without running anything. check_ids
     False (`batchgen render`, which reads a few rows) skips the passes over the whole
     input: ids and UTF-8 (a bad value among the rows read is still refused by name)."""
+    file_format = detect_format(job.input)
+    if file_format in BATCH_FILE_FORMATS:
+        return _open_batch_file(job, file_format, check_ids)
+    if job.prompt is None:
+        raise JobError(
+            "missing key 'prompt': a Parquet input needs a prompt section (a template, or "
+            "chat rows in a messages column)"
+        )
     source = ParquetInput(job.input)
     names = source.schema.names
-    used = template_columns(job.prompt.template)
-    missing = sorted(used - set(names))
-    if missing:
+    used = set()
+    if job.prompt.template is not None:
+        used = template_columns(job.prompt.template)
+        missing = sorted(used - set(names))
+        if missing:
+            raise JobError(
+                f"prompt.template: refers to column(s) {missing} that the input does not have "
+                f"(columns: {names})"
+            )
+    elif job.prompt.messages_column not in names:
         raise JobError(
-            f"prompt.template: refers to column(s) {missing} that the input does not have "
-            f"(columns: {names})"
+            f"prompt.messages: no column '{job.prompt.messages_column}' in the input for chat "
+            f"rows (columns: {names}); give prompt.template, or the column of messages"
         )
+    else:
+        used = {job.prompt.messages_column}
+    for param, column in (job.sampling.from_columns or {}).items():
+        if column not in names:
+            raise JobError(
+                f"sampling.from_columns.{param}: column '{column}' not found in the input "
+                f"(columns: {names})"
+            )
+        used.add(column)
     needed = sorted(used)
     if cluster_mode(job.batching) == "column":
         if job.batching.cluster not in names:
@@ -113,4 +139,43 @@ def open_job(job: JobSpec, check_ids: bool = True) -> JobContext:
         carry_map=carry_map,
         schema=result_schema(carry_fields, source.id_type),
         total_rows=total,
+    )
+
+
+def _open_batch_file(job: JobSpec, file_format: str, check_ids: bool) -> JobContext:
+    """A request file: the requests carry their messages and parameters, so the job has
+    no prompt or per-column settings; custom_id is the row id."""
+    refused = [
+        (job.prompt is not None, "prompt", "the requests carry their own messages"),
+        (
+            job.sampling.from_columns is not None,
+            "sampling.from_columns",
+            "the requests carry their own parameters",
+        ),
+        (
+            cluster_mode(job.batching) == "column",
+            "batching.cluster",
+            "a request file has no columns to cluster by (use auto or off)",
+        ),
+        (
+            job.output.carry_columns is not None,
+            "output.carry_columns",
+            "a request's results carry its model and endpoint",
+        ),
+    ]
+    for is_set, key, why in refused:
+        if is_set:
+            raise JobError(f"{key}: not used with input.format {file_format}: {why}; remove it")
+    source = BatchFileInput(job.input, file_format)
+    carry_map = {c: output_column_for(c) for c in source.value_columns()}
+    carry_fields = [pa.field(out, source.schema.field(col).type) for col, out in carry_map.items()]
+    check_model_path(job.model.path)
+    total = source.check_ids() if check_ids else source.count_rows()
+    return JobContext(
+        job=job,
+        input=source,
+        carry_map=carry_map,
+        schema=result_schema(carry_fields, source.id_type),
+        total_rows=total,
+        format=file_format,
     )

@@ -37,8 +37,33 @@ class _Section(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, strict=True)
 
 
+# Input formats: Parquet rows rendered by the job's prompt, or request files of the
+# OpenAI Batch API and Anthropic Message Batches (JSONL, one request per line).
+INPUT_FORMATS = ("parquet", "openai_batch", "anthropic_batch")
+BATCH_FILE_FORMATS = ("openai_batch", "anthropic_batch")
+# The sampling parameters a row may set for itself (a request body, sampling.from_columns).
+ROW_PARAMETERS = (
+    "temperature",
+    "top_p",
+    "top_k",
+    "min_p",
+    "max_tokens",
+    "stop",
+    "seed",
+    "n",
+    "presence_penalty",
+    "frequency_penalty",
+    "logprobs",
+    "top_logprobs",
+    "response_format",
+)
+
+
 class InputSpec(_Section):
     path: str = Field(description="a Parquet file, a directory of them, or a glob")
+    format: Literal["parquet", "openai_batch", "anthropic_batch"] | None = Field(
+        None, description="default: by the file's extension (.parquet, .jsonl), then content"
+    )
     id_column: str | None = Field(None, description="column holding each row's unique id")
     id: Literal["content_hash"] | None = Field(
         None, description="derive a stable id from the row's content instead of a column"
@@ -61,12 +86,37 @@ class InputSpec(_Section):
 
 
 class PromptSpec(_Section):
-    template: str = Field(description="Jinja2 template over the row's columns")
+    template: str | None = Field(
+        None, description="Jinja2 template over the row's columns (default: chat rows)"
+    )
+    messages: str | None = Field(
+        None,
+        description="column of chat rows (a list of {role, content}); default 'messages' "
+        "when there is no template",
+    )
     system: str | None = None
     chat: bool | None = Field(
         None, description="apply the model's chat template (default: when the model has one)"
     )
     overflow: Literal["error", "truncate_left", "truncate_middle"] = "error"
+
+    @model_validator(mode="after")
+    def _template_or_messages(self) -> PromptSpec:
+        if self.template is not None and self.messages is not None:
+            raise ValueError("give either prompt.template or prompt.messages, not both")
+        if self.template is None and self.chat is False:
+            raise ValueError(
+                "prompt.chat: false needs a prompt.template (chat rows, from a messages "
+                "column, go through the chat template)"
+            )
+        return self
+
+    @property
+    def messages_column(self) -> str | None:
+        """The column holding chat rows, or None for a template job."""
+        if self.template is not None:
+            return None
+        return self.messages or "messages"
 
 
 class ModelSpec(_Section):
@@ -95,6 +145,19 @@ class SamplingSpec(_Section):
     max_tokens: int = Field(256, ge=1)
     stop: list[str] | None = None
     seed: int = 0
+    from_columns: dict[str, str] | None = Field(
+        None, description="per-row parameters: {parameter: input column}, e.g. max_tokens: n"
+    )
+
+    @model_validator(mode="after")
+    def _known_row_parameters(self) -> SamplingSpec:
+        unknown = sorted(set(self.from_columns or {}) - set(ROW_PARAMETERS))
+        if unknown:
+            raise ValueError(
+                f"sampling.from_columns: unknown parameter(s) {unknown}; known: "
+                f"{', '.join(ROW_PARAMETERS)}"
+            )
+        return self
 
     @model_validator(mode="before")
     @classmethod
@@ -129,6 +192,9 @@ class OutputSpec(_Section):
         None, description="input columns copied to the results (default: all read columns)"
     )
     order: Literal["any", "input"] = "any"
+    export: Literal["openai_batch", "anthropic_batch"] | None = Field(
+        None, description="also write the results as batch-API files (<path>/export/)"
+    )
 
 
 class ErrorsSpec(_Section):
@@ -137,24 +203,49 @@ class ErrorsSpec(_Section):
 
 class JobSpec(_Section):
     input: InputSpec
-    prompt: PromptSpec
+    prompt: PromptSpec | None = None
     model: ModelSpec = ModelSpec()
     sampling: SamplingSpec = SamplingSpec()
     batching: BatchingSpec = BatchingSpec()
     output: OutputSpec
     errors: ErrorsSpec = ErrorsSpec()
 
+    @model_validator(mode="after")
+    def _prompt_for_parquet(self) -> JobSpec:
+        # A request file carries its own messages; Parquet rows need the job to say how
+        # they become prompts. (A path whose format only its content tells is checked
+        # again when the input is opened.)
+        maybe_jsonl = self.input.path.lower().endswith((".jsonl", ".json"))
+        if self.prompt is None and self.input.format not in BATCH_FILE_FORMATS and not maybe_jsonl:
+            raise ValueError(
+                "missing key 'prompt': a Parquet input needs a prompt section (a template, "
+                "or chat rows in a messages column); only OpenAI or Anthropic batch "
+                "files (input.format) carry their own"
+            )
+        return self
+
     def fingerprint_fields(self) -> dict:
         """The fields that change what a row's output is. A run directory made with one
-        fingerprint refuses a job with another unless `--new-run`."""
+        fingerprint refuses a job with another unless `--new-run`. Fields added since
+        the first run directories were written enter only when set, so those runs keep
+        their fingerprint."""
+        prompt = None
+        if self.prompt is not None:
+            prompt = self.prompt.model_dump()
+            if prompt["messages"] is None:
+                del prompt["messages"]
+        sampling = self.sampling.model_dump()
+        if sampling["from_columns"] is None:
+            del sampling["from_columns"]
         return {
             "input.id": self.input.id_source,
             "input.columns": self.input.columns,
-            "prompt": self.prompt.model_dump(),
+            **({"input.format": self.input.format} if self.input.format else {}),
+            "prompt": prompt,
             "model.path": self.model.path,
             "model.dtype": self.model.dtype,
             "model.max_model_len": self.model.max_model_len,
-            "sampling": self.sampling.model_dump(),
+            "sampling": sampling,
             "output.carry_columns": self.output.carry_columns,
             # only when off, so that jobs from before the switch keep their fingerprint
             **({} if self.batching.batch_invariant else {"batching.batch_invariant": False}),
@@ -190,6 +281,8 @@ def _format_validation_error(exc: ValidationError) -> str:
             lines.append(f"unknown key '{where}'")
         elif err["type"] == "missing":
             lines.append(f"missing key '{where}'")
+        elif err["type"] == "value_error":  # a check across keys: its message names them
+            lines.append(cut(str(err["ctx"]["error"]), 500))
         else:
             got = err.get("input")
             lines.append(

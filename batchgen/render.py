@@ -151,11 +151,13 @@ class PromptRenderer:
         marks = RowMarks(self._specials, set(self._reserved))
         return self._tokens(MarkedText(user), marks)
 
-    def prepare(self, row: InputRow) -> PreparedRow:
+    def prepare(self, row: InputRow, max_tokens: int | None = None) -> PreparedRow:
+        """`max_tokens`: the row's own (a per-row parameter), when not the job's."""
         carry = {out: row.values.get(col) for col, out in self.carry_columns.items()}
         prepared = PreparedRow(seq=row.seq, id=row.id, carry=carry)
+        budget = self.prompt_budget if max_tokens is None else self.max_model_len - max_tokens
         try:
-            self._fill(prepared, row.values)
+            self._fill(prepared, row.values, budget, max_tokens or self.max_tokens)
         except _RowTemplateFailure as exc:
             prepared.error = RowError("render_error", str(exc))
         except (TemplateError, TypeError, ValueError) as exc:  # the chat template's
@@ -193,7 +195,9 @@ class PromptRenderer:
             full.plain, full.spans, add_special_tokens=not self.chat
         )
 
-    def _fill(self, prepared: PreparedRow, values: dict[str, Any]) -> None:
+    def _fill(
+        self, prepared: PreparedRow, values: dict[str, Any], budget: int, max_tokens: int
+    ) -> None:
         nulls = [c for c in self.columns if values.get(c) is None]
         if nulls:
             prepared.error = RowError("null_input", f"null value in column(s) {nulls}")
@@ -211,32 +215,34 @@ class PromptRenderer:
             prepared.error = RowError("empty_prompt", "the rendered prompt is empty or blank")
             return
         ids = self._tokens(user, marks)
-        if len(ids) > self.prompt_budget:
-            if self.spec.overflow == "error":
+        if len(ids) > budget:
+            if self.spec.overflow == "error" or budget < 1:
                 prepared.error = RowError(
                     "prompt_too_long",
-                    f"prompt has {len(ids)} tokens; at most {self.prompt_budget} fit "
-                    f"(context {self.max_model_len} minus max_tokens {self.max_tokens}); "
+                    f"prompt has {len(ids)} tokens; at most {max(budget, 0)} fit "
+                    f"(context {self.max_model_len} minus max_tokens {max_tokens}); "
                     "set prompt.overflow to truncate_left or truncate_middle to cut it",
                 )
                 return
-            ids = self._truncate(user, marks, len(ids))
+            ids = self._truncate(user, marks, len(ids), budget)
             if ids is None:
                 prepared.error = RowError(
                     "prompt_too_long",
-                    f"the system prompt and template alone exceed the {self.prompt_budget} "
+                    f"the system prompt and template alone exceed the {budget} "
                     "prompt tokens available",
                 )
                 return
             prepared.truncated = True
         prepared.prompt_token_ids = ids
 
-    def _truncate(self, user: MarkedText, marks: RowMarks, full_len: int) -> list[int] | None:
+    def _truncate(
+        self, user: MarkedText, marks: RowMarks, full_len: int, budget: int
+    ) -> list[int] | None:
         """Cut the user message (never the chat template around it) until the prompt fits.
         truncate_left keeps the end of the message; truncate_middle keeps both ends."""
         content = self.tokenizer.encode_with_data(user.plain, user.spans, add_special_tokens=False)
         end = len(user.plain)
-        excess = full_len - self.prompt_budget
+        excess = full_len - budget
         for _ in range(6):
             keep = len(content) - excess - _TRUNCATION_SLACK
             if keep <= 0:
@@ -252,9 +258,9 @@ class PromptRenderer:
                     + user.slice(self._tail_start(content, tail, user.plain), end)
                 )
             ids = self._tokens(cut_text, marks)
-            if len(ids) <= self.prompt_budget:
+            if len(ids) <= budget:
                 return ids
-            excess += len(ids) - self.prompt_budget
+            excess += len(ids) - budget
         return None
 
     def _head_end(self, content: list[int], count: int, plain: str) -> int:

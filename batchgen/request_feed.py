@@ -33,7 +33,10 @@ def derive_seed(job_seed: int, row_id: str, n_index: int) -> int:
     return int.from_bytes(digest, "little") & ((1 << 63) - 1)
 
 
-def sampling_params(job: JobSpec, seed: int):
+def sampling_params(job: JobSpec, seed: int, row: PreparedRow | None = None):
+    """The engine parameters of one completion: the row's own when it has them."""
+    if row is not None and row.sampling is not None:
+        return row.sampling.engine_params(seed)
     from engine import SamplingParams
 
     s = job.sampling
@@ -111,7 +114,10 @@ class RequestFeed:
             if row.error is not None:
                 self._on_error_row(row)
                 continue
-            seeds = [derive_seed(self.job.sampling.seed, row.id, k) for k in range(self.n)]
+            # A row's explicit seed takes the job seed's place for that row.
+            base = self.job.sampling.seed if row.sampling is None else row.sampling.seed
+            n = row.num_completions(self.n)
+            seeds = [derive_seed(base, row.id, k) for k in range(n)]
             pending = self.pending[row.seq] = PendingRow(row, seeds)
             self._queue.extend(self.requests_of(pending))
 
@@ -128,7 +134,7 @@ class RequestFeed:
             Request(
                 request_id=request_id(row.seq, k),
                 prompt=row.prompt_token_ids,
-                sampling_params=sampling_params(self.job, seed),
+                sampling_params=sampling_params(self.job, seed, row),
                 group=row.group,
                 tag=row.id,
             )
@@ -143,11 +149,11 @@ class RequestFeed:
         seq, k = parse_request_id(rid)
         pending = self.pending[seq]
         pending.results[k] = result
-        if len(pending.results) < self.n:
+        if len(pending.results) < len(pending.seeds):
             return None
         del self.pending[seq]
         self.suspects.pop(seq, None)
-        return [pending.results[i] for i in range(self.n)]
+        return [pending.results[i] for i in range(len(pending.seeds))]
 
     def pending_row(self, rid: str) -> PendingRow:
         return self.pending[parse_request_id(rid)[0]]

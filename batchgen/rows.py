@@ -37,6 +37,11 @@ class PreparedRow:
     error: RowError | None = None
     truncated: bool = False
     group: int | None = None  # cluster id, handed to the engine as Request.group
+    # The row's own sampling parameters (batchgen.row_sampling.RowSampling); None: the job's.
+    sampling: Any = None
+
+    def num_completions(self, job_n: int) -> int:
+        return job_n if self.sampling is None else self.sampling.n
 
     @property
     def num_prompt_tokens(self) -> int:

@@ -27,7 +27,6 @@ from batchgen.job_engine import load_llm
 from batchgen.job_spec import JobError, JobSpec
 from batchgen.planner import ClusterLabels, cluster_mode, log_cluster_mode, plan_rows
 from batchgen.progress import Progress
-from batchgen.render import PromptRenderer
 from batchgen.report import write_report
 from batchgen.request_feed import RequestFeed, parse_request_id
 from batchgen.resume import (
@@ -37,6 +36,7 @@ from batchgen.resume import (
     schema_for_run,
     take_back_errors,
 )
+from batchgen.row_preparer import RowPreparer
 from batchgen.rows import InputRow, PreparedRow, ResultRow
 from batchgen.run_dir import RunDir, new_session_id
 from batchgen.run_dir_check import reconcile
@@ -74,19 +74,13 @@ def save_routing_stats(run_dir: RunDir, session: str, summary: dict | None) -> N
     tmp.replace(path)
 
 
-def make_renderer(ctx: JobContext, llm) -> PromptRenderer:
+def make_renderer(ctx: JobContext, llm) -> RowPreparer:
     if llm.tokenizer is None:
         raise JobError(
             f"model.path: {ctx.job.model.path} has no tokenizer, so text prompts cannot be "
             "rendered; use a model directory with tokenizer files"
         )
-    return PromptRenderer(
-        ctx.job.prompt,
-        llm.tokenizer,
-        llm.max_model_len,
-        ctx.job.sampling.max_tokens,
-        ctx.carry_map,
-    )
+    return RowPreparer(ctx.job, llm.tokenizer, llm.max_model_len, ctx.carry_map, ctx.format)
 
 
 @dataclass
@@ -167,7 +161,8 @@ class _Loop:
         return prepared
 
     def _on_error_row(self, row: PreparedRow) -> None:
-        self._finish_row(_error_results(row, range(self.n), row.error.type, row.error.message))
+        n = row.num_completions(self.n)
+        self._finish_row(_error_results(row, range(n), row.error.type, row.error.message))
 
     def on_output(self, out) -> None:
         pending = self.feed.pending_row(out.request_id)
@@ -204,6 +199,9 @@ class _Loop:
     def _finish_row(self, results: list[ResultRow]) -> None:
         self.writer.add(results)
         self.stats.record_row(results)
+        # The budget is a fraction of the result rows; a row with its own n adds or
+        # takes away completions from the job's rows x n as it finishes.
+        self.budget_rows += self.job.errors.budget * (len(results) - self.n)
         if self.stats.errors_total > self.budget_rows:
             self.budget_exceeded = True
         self.progress.update(self.stats)
@@ -300,12 +298,13 @@ class _Loop:
             self.engine.faults.append(
                 "row_failed_alone", id=row.id, error=fault.error, traceback=fault.traceback
             )
-            missing = [k for k in range(self.n) if k not in pending.results]
+            n = len(pending.seeds)
+            missing = [k for k in range(n) if k not in pending.results]
             results = {**pending.results}
             for result in _error_results(row, missing, "engine_error", message):
                 results[result.n_index] = result
             self.feed.drop(pending)
-            self._finish_row([results[k] for k in range(self.n)])
+            self._finish_row([results[k] for k in range(n)])
             self.engine.restart(fault, shrink=False)
 
 
@@ -498,6 +497,12 @@ def _conclude(
     if code in (EXIT_OK, EXIT_SOME_ERRORS):
         run_dir.success.write_text("")
     message = _summary(code, run_dir, len(done_ids), ctx.total_rows, error_rows, job_path)
+    if code in (EXIT_OK, EXIT_SOME_ERRORS) and job.output.export is not None:
+        from batchgen.batch_api.export import export_run
+
+        export_dir = run_dir.path / "export"
+        export_run(run_dir.path, job.output.export, export_dir)
+        message += f" (exported as {job.output.export} to {export_dir})"
     if gave_up is not None:
         message = f"stopped: {gave_up}; " + message.removeprefix("interrupted: ")
     return code, message

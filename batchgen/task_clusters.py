@@ -448,6 +448,12 @@ def settings_for_job(job: JobSpec) -> ClusterSettings:
 def prompt_texts(job: JobSpec, rows: Iterable[InputRow]) -> Iterator[tuple[str, str | None]]:
     """(id, the job template rendered over the row) in input order; None for a row that
     cannot be rendered (it becomes an error row in the run and joins no cluster)."""
+    if job.prompt is None or job.prompt.template is None:
+        from batchgen.row_preparer import chat_row_text
+
+        for row in rows:
+            yield row.id, chat_row_text(job, row)
+        return
     render = template_text(job.prompt.template)
     columns = sorted(template_columns(job.prompt.template))
     for row in rows:

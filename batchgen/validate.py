@@ -13,7 +13,7 @@ from pathlib import Path
 from batchgen.job_context import JobContext
 from batchgen.job_spec import JobError
 from batchgen.planner import cluster_mode
-from batchgen.render import PromptRenderer
+from batchgen.row_preparer import RowPreparer
 
 CALIBRATION_ROWS = 4
 CALIBRATION_MAX_TOKENS = 16
@@ -66,7 +66,7 @@ class ValidationReport:
         return out
 
 
-def count_rows(ctx: JobContext, renderer: PromptRenderer) -> ValidationReport:
+def count_rows(ctx: JobContext, renderer: RowPreparer) -> ValidationReport:
     report = ValidationReport(0, 0, 0, 0, 0)
     for row in ctx.input.rows():
         prepared = renderer.prepare(row)
@@ -84,7 +84,7 @@ def count_rows(ctx: JobContext, renderer: PromptRenderer) -> ValidationReport:
     return report
 
 
-def check_template_sample(ctx: JobContext, renderer: PromptRenderer) -> None:
+def check_template_sample(ctx: JobContext, renderer: RowPreparer) -> None:
     """Refuse a template that fails (in the sandbox, or past its limits) on every one of
     the first SAMPLE_ROWS rows, apart from rows it never sees (null or blank values)."""
     failures: list[tuple[str, str]] = []
@@ -117,7 +117,7 @@ def refuse_unrunnable(report: ValidationReport) -> None:
     )
 
 
-def calibrate(ctx: JobContext, renderer: PromptRenderer, llm, report: ValidationReport) -> None:
+def calibrate(ctx: JobContext, renderer: RowPreparer, llm, report: ValidationReport) -> None:
     """Run a few rows with a short max_tokens and extrapolate to the whole job. This is an
     estimate: batching more rows at once usually runs faster than the calibration."""
     from engine import SamplingParams

@@ -16,16 +16,14 @@ from batchgen.prompt_data import special_token_pattern
 def render_cmd(job_file: str, count: int) -> None:
     """Print fully rendered prompts (system prompt and chat template applied)."""
     from batchgen.job_context import open_job, open_tokenizer
-    from batchgen.render import PromptRenderer
+    from batchgen.row_preparer import RowPreparer
 
     setup_logging()
     try:
         job = load_job(job_file)
         ctx = open_job(job, check_ids=False)
         tokenizer, context = open_tokenizer(job)
-        renderer = PromptRenderer(
-            job.prompt, tokenizer, context, job.sampling.max_tokens, ctx.carry_map
-        )
+        renderer = RowPreparer(job, tokenizer, context, ctx.carry_map, ctx.format)
         for i, row in enumerate(ctx.input.rows()):
             if i >= count:
                 break

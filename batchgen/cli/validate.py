@@ -14,8 +14,8 @@ from batchgen.job_spec import JobError, load_job
 def validate_cmd(job_file: str, no_calibrate: bool) -> None:
     """Check JOB_FILE and count rows and tokens; estimate the run time."""
     from batchgen.job_context import open_job, open_tokenizer
-    from batchgen.render import PromptRenderer
     from batchgen.resume import check_run_dir
+    from batchgen.row_preparer import RowPreparer
     from batchgen.run import load_llm, make_renderer
     from batchgen.validate import calibrate, check_template_sample, count_rows, refuse_unrunnable
 
@@ -27,9 +27,7 @@ def validate_cmd(job_file: str, no_calibrate: bool) -> None:
         check_run_dir(job, new_run=False)
         if no_calibrate:  # the tokenizer alone renders and counts
             tokenizer, context = open_tokenizer(job)
-            renderer = PromptRenderer(
-                job.prompt, tokenizer, context, job.sampling.max_tokens, ctx.carry_map
-            )
+            renderer = RowPreparer(job, tokenizer, context, ctx.carry_map, ctx.format)
         else:
             llm = load_llm(job)
             renderer = make_renderer(ctx, llm)

@@ -1,0 +1,87 @@
+"""One row's sampling parameters: the job's `sampling` section, with what the row itself
+sets (a request body's parameters, a Parquet column named in `sampling.from_columns`)
+put over it. The row's requests to the engine are made from this."""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+from batchgen.job_spec import SamplingSpec
+
+# Engine fields a row may set that an engine build might not have yet, with the value
+# that means "off": a row asking for anything else from such an engine is an error row,
+# never silently sampled without it.
+OPTIONAL_ENGINE_FIELDS = {
+    "presence_penalty": 0.0,
+    "frequency_penalty": 0.0,
+    "logprobs": None,
+    "response_format": None,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class RowSampling:
+    n: int
+    temperature: float
+    top_p: float
+    top_k: int
+    min_p: float
+    max_tokens: int
+    stop: tuple[str, ...]
+    seed: int  # the row's base seed: each completion's seed is derived from it
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    logprobs: int | None = None  # None: off; k: the sampled token's logprob and the top k
+    response_format: dict | None = None  # OpenAI's shape, or {"type": "regex" | "choice"}
+
+    @classmethod
+    def from_job(cls, spec: SamplingSpec) -> RowSampling:
+        """The job's parameters (job-level values of the optional fields when the job
+        spec has them)."""
+        optional = {name: getattr(spec, name, off) for name, off in OPTIONAL_ENGINE_FIELDS.items()}
+        return cls(
+            n=spec.n,
+            temperature=spec.temperature,
+            top_p=spec.top_p,
+            top_k=spec.top_k,
+            min_p=spec.min_p,
+            max_tokens=spec.max_tokens,
+            stop=tuple(spec.stop or ()),
+            seed=spec.seed,
+            **optional,
+        )
+
+    def replace(self, **changes: Any) -> RowSampling:
+        return dataclasses.replace(self, **changes)
+
+    def unsupported(self) -> list[str]:
+        """The parameters this row sets that the engine's SamplingParams has no field for."""
+        from engine import SamplingParams
+
+        have = {f.name for f in dataclasses.fields(SamplingParams)}
+        return [
+            name
+            for name, off in OPTIONAL_ENGINE_FIELDS.items()
+            if name not in have and getattr(self, name) != off
+        ]
+
+    def engine_params(self, seed: int):
+        """The engine's SamplingParams of one completion (n=1: the feed sends a row's n
+        completions as n requests, each with its own derived seed)."""
+        from engine import SamplingParams
+
+        have = {f.name for f in dataclasses.fields(SamplingParams)}
+        optional = {name: getattr(self, name) for name in OPTIONAL_ENGINE_FIELDS if name in have}
+        return SamplingParams(
+            n=1,
+            temperature=self.temperature,
+            top_p=self.top_p,
+            top_k=self.top_k,
+            min_p=self.min_p,
+            max_tokens=self.max_tokens,
+            stop=list(self.stop),
+            seed=seed,
+            **optional,
+        )
