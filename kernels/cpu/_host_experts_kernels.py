@@ -82,12 +82,12 @@ def _swiglu(gate, up, limit):
 @numba.njit(
     void(float32[:, ::1], int8[:, ::1], float32[:, ::1], int32[:, ::1]), parallel=True, **_JIT
 )
-def quantize_rows(x, q, half_step, lane_sums):
+def quantize_rows(x, q, half_step, lane_bias):
     """Per row per 32 values: step = max(amax, 1e-30) / 127, q = x / step rounded to nearest
     (ties away from zero), clamped to +-127; half_step = step / 2 (undoes the x 2 of the
-    E2M1 decode); lane_sums[row, 4 b + l] = WEIGHT_OFFSET x the sum of block b's codes
-    4l..4l+3 and 16+4l..16+4l+3 (what the VNNI kernel's unsigned weights add).
-    x [N, C], q [N, C], half_step [N, C/32], lane_sums [N, C/8]."""
+    E2M1 decode); lane_bias[row, 4 b + l] = -WEIGHT_OFFSET x the sum of block b's codes
+    4l..4l+3 and 16+4l..16+4l+3 (takes off what the VNNI kernel's unsigned weights add).
+    x [N, C], q [N, C], half_step [N, C/32], lane_bias [N, C/8]."""
     n, c = x.shape
     for row in prange(n):
         for b in range(c // GROUP):
@@ -104,7 +104,7 @@ def quantize_rows(x, q, half_step, lane_sums):
                 total = 0
                 for j in range(4 * lane, 4 * lane + 4):
                     total += int32(q[row, b * GROUP + j]) + int32(q[row, b * GROUP + HALF + j])
-                lane_sums[row, b * LANES_PER_ROW + lane] = WEIGHT_OFFSET * total
+                lane_bias[row, b * LANES_PER_ROW + lane] = -WEIGHT_OFFSET * total
 
 
 MXFP4_ROWS_SIGNATURE = void(
@@ -112,7 +112,7 @@ MXFP4_ROWS_SIGNATURE = void(
     uint8[:, :, :, ::1],  # scales [S, N/R, B, rows]
     int8[:, ::1],  # activations [A, B * 32] (A = tokens or pairs)
     float32[:, ::1],  # activation half steps [A, B]
-    int32[:, ::1],  # activation lane sums [A, 4 B] (VNNI only)
+    int32[:, ::1],  # activation lane bias [A, 4 B] (VNNI only)
     int32[::1],  # active slots [E_active]
     int32[::1],  # pair offsets per active slot [E_active + 1]
     int32[::1],  # activation row of each pair [P]
@@ -145,7 +145,7 @@ def _store_rows(acc, i, out, p, rb, fused, limit):
 
 
 @numba.njit(MXFP4_ROWS_SIGNATURE, parallel=True, **_JIT)
-def mxfp4_rows(w, scales, act, act_step, lane_sums, slots, offsets, act_row, limit, out):
+def mxfp4_rows(w, scales, act, act_step, lane_bias, slots, offsets, act_row, limit, out):
     """out[p, n] for every pair p of every active slot, portable loops. Each row's 32-value
     block splits in 4 lanes (lane l: elements 4l..4l+3 and 16+4l..16+4l+3); a lane's int8
     dot is exact (int32), acc[lane] += float32(dot) * (half_step_b * 2^(e_b - 127)) over
@@ -190,7 +190,7 @@ def mxfp4_rows(w, scales, act, act_step, lane_sums, slots, offsets, act_row, lim
                     _store_rows(acc, p - p0, out, p, rb, rows == 2 * ROWS, limit)
 
 
-def _mxfp4_rows_vnni(w, scales, act, act_step, lane_sums, slots, offsets, act_row, limit, out):
+def _mxfp4_rows_vnni(w, scales, act, act_step, lane_bias, slots, offsets, act_row, limit, out):
     """mxfp4_rows with the inner loop in AVX-512 VNNI (kernels/cpu/_vnni_block_dot.py), in
     the same order, so the same bits; up to MAX_TOKENS pairs share each decoded block."""
     row_blocks, blocks, rows = w.shape[1], w.shape[2], w.shape[3]
@@ -207,7 +207,7 @@ def _mxfp4_rows_vnni(w, scales, act, act_step, lane_sums, slots, offsets, act_ro
             p = np.int64(offsets[a])
             while p < end:
                 n = min(MAX_TOKENS, end - p)
-                x = (act, lane_sums, act_step, act_row, p, acc)
+                x = (act, lane_bias, act_step, act_row, p, acc)
                 if fused and n == 4:
                     _DOT_2_4(w, w_off, scales, sc_off, blocks, *x)
                 elif fused and n == 3:

@@ -10,8 +10,9 @@ decoded weights of each block serving every token. For each block b and line:
   12 + 2 x E2M1 (0..24, unsigned), so vpdpbusd (unsigned x signed bytes) takes the weights
   as its unsigned operand and the int8 activations as they are;
 - int32 lane 4r + q of the line (row r, q = 0..3) gets the exact dot of the row's elements
-  4q..4q+3 and 16+4q..16+4q+3 with the activations, plus 12 x their activation sum, which
-  `lane_sums` (per token, per block, per q, precomputed) takes off again;
+  4q..4q+3 and 16+4q..16+4q+3 with the activations: vpdpbusd starts from `lane_bias`,
+  -12 x the sum of those activations (per token, block and q, precomputed), which takes
+  off what the weights' offset of 12 adds;
 - acc[lane] += float32(dot) * (step_b * 2^(e_rb - 127)), a multiply then an add (no FMA,
   so `mxfp4_rows` in _host_experts_kernels.py gives the same bits lane by lane).
 
@@ -21,6 +22,7 @@ The caller folds each row's 4 lanes as (l0 + l1) + (l2 + l3).
 from __future__ import annotations
 
 import functools
+import os
 
 from llvmlite import ir
 from numba import types
@@ -29,6 +31,9 @@ from numba.extending import intrinsic
 
 MAX_TOKENS = 4  # 4 tokens x 2 lines of float accumulators + decoded weights fit 32 registers
 WEIGHT_OFFSET = 12  # 2 x E2M1 is in -12..12
+# How far ahead of the line being decoded to prefetch the weights: one core's misses in
+# flight otherwise cap its read rate well below its share of the memory bandwidth.
+PREFETCH_BYTES = int(os.environ.get("BATCHGEN_HOST_PREFETCH", "2048"))
 _E2M1_X2 = (0, 1, 2, 3, 4, 6, 8, 12)
 # vpshufb table: code -> 12 + 2 x E2M1 value (bit 3 of the code is the sign)
 OFFSET_TABLE = [WEIGHT_OFFSET + v for v in _E2M1_X2] + [WEIGHT_OFFSET - v for v in _E2M1_X2]
@@ -58,6 +63,19 @@ def _gep(builder, ptr, offset):
     return builder.gep(ptr, [offset])
 
 
+def _prefetch(builder, ptr):
+    """A read prefetch into all cache levels (past the array's end it is a no-op)."""
+    i32 = ir.IntType(32)
+    if getattr(ptr.type, "is_opaque", False):
+        name = "llvm.prefetch.p0"
+    else:
+        ptr = builder.bitcast(ptr, _I8.as_pointer())
+        name = "llvm.prefetch.p0i8"
+    fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+    builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
 def _x86(builder, name, ret, args):
     fnty = ir.FunctionType(ret, [a.type for a in args])
     return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
@@ -65,15 +83,15 @@ def _x86(builder, name, ret, args):
 
 @functools.cache
 def block_dot(lines: int, tokens: int):
-    """block_dot(w, w_off, sc, sc_off, blocks, act, lane_sums, steps, act_row, p0, acc):
+    """block_dot(w, w_off, sc, sc_off, blocks, act, lane_bias, steps, act_row, p0, acc):
     the accumulators of one row block (module docstring) for the activation rows
     act_row[p0 : p0 + tokens], written to acc[i, 16 l : 16 l + 16] for token i, line l.
     w / sc: the layer's weights / scales (w_off, sc_off: element offsets of the row
-    block); act int8 [A, 32 B]; lane_sums int32 [A, 4 B]; steps float32 [A, B]."""
+    block); act int8 [A, 32 B]; lane_bias int32 [A, 4 B]; steps float32 [A, B]."""
 
     @intrinsic
-    def dot(typingctx, w, w_off, sc, sc_off, blocks, act, lane_sums, steps, act_row, p0, acc):
-        sig = types.void(w, w_off, sc, sc_off, blocks, act, lane_sums, steps, act_row, p0, acc)
+    def dot(typingctx, w, w_off, sc, sc_off, blocks, act, lane_bias, steps, act_row, p0, acc):
+        sig = types.void(w, w_off, sc, sc_off, blocks, act, lane_bias, steps, act_row, p0, acc)
 
         def codegen(context, builder, signature, args):
             arrays = [
@@ -91,9 +109,6 @@ def block_dot(lines: int, tokens: int):
             table = ir.Constant(_V64I8, OFFSET_TABLE * 4)
             low_bits = ir.Constant(_V64I8, [0x0F] * 64)
             four = ir.Constant(_V64I8, [4] * 64)
-            exponent_shift = ir.Constant(ir.VectorType(_I32, 4), [23] * 4)
-            zero4 = ir.Constant(ir.VectorType(_I32, 4), [0] * 4)
-            subnormal = ir.Constant(ir.VectorType(_I32, 4), [1 << 22] * 4)
 
             entry = builder.block
             header = builder.append_basic_block("blocks.header")
@@ -116,6 +131,8 @@ def block_dot(lines: int, tokens: int):
                 index = builder.add(builder.mul(b, _c64(lines)), _c64(line))
                 w_ptr = _gep(builder, wa.data, builder.add(w_off, builder.mul(index, _c64(64))))
                 packed = _ptr_load(builder, w_ptr, _V64I8)
+                if PREFETCH_BYTES:
+                    _prefetch(builder, _gep(builder, w_ptr, _c64(PREFETCH_BYTES)))
                 lo = builder.and_(packed, low_bits)
                 hi = builder.and_(builder.lshr(packed, four), low_bits)
                 pair = []
@@ -123,19 +140,23 @@ def block_dot(lines: int, tokens: int):
                     dec = _x86(builder, "llvm.x86.avx512.pshuf.b.512", _V64I8, [table, nib])
                     pair.append(builder.bitcast(dec, _V16I32))
                 weights.append(pair)
-                s_ptr = _gep(builder, sa.data, builder.add(sc_off, builder.mul(index, _c64(4))))
-                e = builder.zext(
-                    _ptr_load(builder, s_ptr, ir.VectorType(_I8, 4)), ir.VectorType(_I32, 4)
-                )
-                bits = builder.select(
-                    builder.icmp_unsigned("==", e, zero4), subnormal, builder.shl(e, exponent_shift)
-                )
-                scale4 = builder.bitcast(bits, ir.VectorType(_F32, 4))
-                scales.append(
-                    builder.shuffle_vector(
-                        scale4, scale4, _mask([r for r in range(4) for _ in range(4)])
-                    )
-                )
+            # the E8M0 scales of all lines' rows at once (4 per line, contiguous)
+            n_scales = 4 * lines
+            s_ptr = _gep(builder, sa.data, builder.add(sc_off, builder.mul(b, _c64(n_scales))))
+            e = builder.zext(
+                _ptr_load(builder, s_ptr, ir.VectorType(_I8, n_scales)),
+                ir.VectorType(_I32, n_scales),
+            )
+            zero = ir.Constant(ir.VectorType(_I32, n_scales), [0] * n_scales)
+            bits = builder.select(
+                builder.icmp_unsigned("==", e, zero),
+                ir.Constant(ir.VectorType(_I32, n_scales), [1 << 22] * n_scales),
+                builder.shl(e, ir.Constant(ir.VectorType(_I32, n_scales), [23] * n_scales)),
+            )
+            per_row = builder.bitcast(bits, ir.VectorType(_F32, n_scales))
+            for line in range(lines):
+                spread = [4 * line + r for r in range(4) for _ in range(4)]  # row r -> lanes 4r..
+                scales.append(builder.shuffle_vector(per_row, per_row, _mask(spread)))
             for i in range(tokens):
                 x_row = _gep(
                     builder,
@@ -151,16 +172,16 @@ def block_dot(lines: int, tokens: int):
                     halves.append(builder.bitcast(x64, _V16I32))
                 blocks_per_row = builder.sdiv(in_width, _c64(32))
                 cell = builder.add(builder.mul(rows[i], blocks_per_row), b)
-                ls_ptr = _gep(builder, la.data, builder.mul(cell, _c64(4)))
-                ls4 = _ptr_load(builder, ls_ptr, ir.VectorType(_I32, 4))
-                ls = builder.shuffle_vector(ls4, ls4, _mask(list(range(4)) * 4))
+                bias_ptr = _gep(builder, la.data, builder.mul(cell, _c64(4)))
+                bias4 = _ptr_load(builder, bias_ptr, ir.VectorType(_I32, 4))
+                bias = builder.shuffle_vector(bias4, bias4, _mask(list(range(4)) * 4))
                 step = builder.load(_gep(builder, ta.data, cell))
                 step16 = builder.insert_element(
                     ir.Constant(_V16F32, ir.Undefined), step, ir.Constant(_I32, 0)
                 )
                 step16 = builder.shuffle_vector(step16, step16, _mask([0] * 16))
                 for line in range(lines):
-                    d = ir.Constant(_V16I32, [0] * 16)
+                    d = bias
                     for h in range(2):
                         d = _x86(
                             builder,
@@ -168,7 +189,7 @@ def block_dot(lines: int, tokens: int):
                             _V16I32,
                             [d, weights[line][h], halves[h]],
                         )
-                    f = builder.sitofp(builder.sub(d, ls), _V16F32)
+                    f = builder.sitofp(d, _V16F32)
                     new = builder.fadd(
                         accs[i][line], builder.fmul(f, builder.fmul(step16, scales[line]))
                     )

@@ -266,13 +266,13 @@ def _mxfp4_pairs(e, x, slots, offsets, pair_token, identity, limit, y):
 
 
 def _quantized(x: np.ndarray):
-    """int8 codes [N, C], half steps [N, C/32] and lane sums [N, C/8] of x [N, C]."""
+    """int8 codes [N, C], half steps [N, C/32] and VNNI lane bias [N, C/8] of x [N, C]."""
     n, c = x.shape
     q = np.empty((n, c), dtype=np.int8)
     half_step = np.empty((n, c // GROUP), dtype=np.float32)
-    lane_sums = np.empty((n, c // GROUP * _k.LANES_PER_ROW), dtype=np.int32)
-    _k.quantize_rows(x, q, half_step, lane_sums)
-    return q, half_step, lane_sums
+    lane_bias = np.empty((n, c // GROUP * _k.LANES_PER_ROW), dtype=np.int32)
+    _k.quantize_rows(x, q, half_step, lane_bias)
+    return q, half_step, lane_bias
 
 
 def _fp8_pairs(e, x, slots, offsets, pair_token, identity, limit, y):
