@@ -36,7 +36,7 @@ CHUNK_BLOCKS = 16
 # Pairs whose activations one pass over a decoded weight block serves.
 PAIR_TILE = 8
 FP8_BLOCK = 128
-LANES = 16  # float lanes of the FP8 dot (one AVX-512 vector of float32)
+LANES = 16  # float lanes of the FP8 dot (one AVX-512 vector of float32); K % 16 == 0
 LANES_PER_ROW = 4  # int32 lanes of one row's 16 bytes in a 64-byte VNNI line
 
 # The VNNI inner loop needs AVX-512 BW (vpshufb on 64 bytes) and VNNI (vpdpbusd).
@@ -257,6 +257,68 @@ def block_dot(lines: int, tokens: int):
     return dot
 
 
+@functools.cache
+def float_dot(tokens: int):
+    """float_dot(w, act, act_row, p0, out): out[i] = w . act[act_row[p0 + i]] for i <
+    tokens, float32 (w [K], act [A, K], K % 16 == 0). The order, the same for every
+    `tokens`: lane j sums w[k] * act[k] for k = j, j + 16, ... in k order (a multiply then
+    an add, never fused), then the lanes fold by halves (j + 8 onto j, + 4, + 2, + 1)."""
+
+    @intrinsic
+    def dot(typingctx, w, act, act_row, p0, out):
+        sig = types.void(w, act, act_row, p0, out)
+
+        def codegen(context, builder, signature, args):
+            wa, xa, ra, _, oa = (
+                context.make_array(signature.args[i])(context, builder, args[i]) if i != 3 else None
+                for i in range(5)
+            )
+            p0 = args[3]
+            k = cgutils.unpack_tuple(builder, xa.shape)[1]
+            x_rows = []
+            for i in range(tokens):
+                row = builder.load(_gep(builder, ra.data, builder.add(p0, _c64(i))))
+                x_rows.append(_gep(builder, xa.data, builder.mul(builder.sext(row, _I64), k)))
+            entry = builder.block
+            header = builder.append_basic_block("k.header")
+            body = builder.append_basic_block("k.body")
+            done = builder.append_basic_block("k.done")
+            builder.branch(header)
+            builder.position_at_end(header)
+            kk = builder.phi(_I64)
+            kk.add_incoming(_c64(0), entry)
+            accs = [builder.phi(_V16F32) for _ in range(tokens)]
+            for a in accs:
+                a.add_incoming(ir.Constant(_V16F32, [0.0] * 16), entry)
+            builder.cbranch(builder.icmp_signed("<", kk, k), body, done)
+            builder.position_at_end(body)
+            wv = _ptr_load(builder, _gep(builder, wa.data, kk), _V16F32)
+            for i in range(tokens):
+                xv = _ptr_load(builder, _gep(builder, x_rows[i], kk), _V16F32)
+                accs[i].add_incoming(builder.fadd(accs[i], builder.fmul(xv, wv)), body)
+            kk.add_incoming(builder.add(kk, _c64(16)), body)
+            builder.branch(header)
+            builder.position_at_end(done)
+            for i, v in enumerate(accs):
+                width = 16
+                while width > 1:
+                    half = width // 2
+                    lo = builder.shuffle_vector(v, v, _mask(range(half)))
+                    hi = builder.shuffle_vector(v, v, _mask(range(half, width)))
+                    v = builder.fadd(lo, hi)
+                    width = half
+                total = builder.extract_element(v, ir.Constant(_I32, 0))
+                builder.store(total, _gep(builder, oa.data, _c64(i)))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dot
+
+
+_FLOAT_DOT_1, _FLOAT_DOT_2, _FLOAT_DOT_3, _FLOAT_DOT_4 = (float_dot(t) for t in range(1, 5))
+
+
 def _e2m1_times_two() -> np.ndarray:
     """code -> 2 x E2M1 value, an exact int8 (bit 3 is the sign)."""
     magnitudes = [0, 1, 2, 3, 4, 6, 8, 12]
@@ -455,25 +517,20 @@ else:
 
 
 @numba.njit(
-    float32(float32[::1], float32[::1], float32[::1], float32[::1]), inline="always", **_JIT
+    void(float32[::1], float32[:, ::1], int32[::1], int64, int64, float32[::1]),
+    inline="always",
+    **_JIT,
 )
-def _fp8_dot(x, w, scales, lanes):
-    """sum over 128-blocks, in order, of scale * (block dot): each block's dot sums 16
-    lanes (lane j: elements j, j + 16, ... of the block, in order) folded by halves."""
-    k = x.shape[0]
-    total = float32(0.0)
-    for b in range((k + FP8_BLOCK - 1) // FP8_BLOCK):
-        lanes[:] = 0.0
-        for k0 in range(b * FP8_BLOCK, min(k, (b + 1) * FP8_BLOCK), LANES):
-            for j in range(LANES):
-                lanes[j] += x[k0 + j] * w[k0 + j]
-        width = LANES
-        while width > 1:
-            width //= 2
-            for j in range(width):
-                lanes[j] += lanes[j + width]
-        total += lanes[0] * scales[b]
-    return total
+def _float_dots(w, act, act_row, p, n, out):
+    """out[:n] = w . act[act_row[p + i]] (`float_dot`, the same order for every n)."""
+    if n == 4:
+        _FLOAT_DOT_4(w, act, act_row, p, out)
+    elif n == 3:
+        _FLOAT_DOT_3(w, act, act_row, p, out)
+    elif n == 2:
+        _FLOAT_DOT_2(w, act, act_row, p, out)
+    else:
+        _FLOAT_DOT_1(w, act, act_row, p, out)
 
 
 @numba.njit(
@@ -494,8 +551,10 @@ def _fp8_dot(x, w, scales, lanes):
     **_JIT,
 )
 def fp8_rows(w1, w2, s1, s2, act, slots, offsets, act_row, fused, limit, out):
-    """out[p, n] = (W1 act)[n] in float32, or swiglu(W1 act, W2 act) when fused; each
-    weight row is decoded to float32 once per work item and serves every pair."""
+    """out[p, n] = (W1 act)[n] in float32, or swiglu(W1 act, W2 act) when fused. Each
+    weight row is dequantized once per work item (E4M3 value x its block scale, the float32
+    product kernels/formats' dequantize gives) and serves up to MAX_TOKENS pairs per
+    `float_dot` call."""
     n, k = w1.shape[1], w1.shape[2]
     row_chunk = ROWS * CHUNK_BLOCKS
     chunks = (n + row_chunk - 1) // row_chunk
@@ -505,21 +564,27 @@ def fp8_rows(w1, w2, s1, s2, act, slots, offsets, act_row, fused, limit, out):
         s = slots[a]
         row1 = np.empty(k, dtype=np.float32)
         row2 = np.empty(k, dtype=np.float32)
-        lanes = np.empty(LANES, dtype=np.float32)
+        first = np.empty(MAX_TOKENS, dtype=np.float32)
+        second = np.empty(MAX_TOKENS, dtype=np.float32)
+        end = np.int64(offsets[a + 1])
         for i in range(c * row_chunk, min(n, (c + 1) * row_chunk)):
             for kk in range(k):
-                row1[kk] = fp8[w1[s, i, kk]]
+                row1[kk] = fp8[w1[s, i, kk]] * s1[s, i // FP8_BLOCK, kk // FP8_BLOCK]
             if fused:
                 for kk in range(k):
-                    row2[kk] = fp8[w2[s, i, kk]]
-            for p in range(offsets[a], offsets[a + 1]):
-                x = act[act_row[p]]
-                first = _fp8_dot(x, row1, s1[s, i // FP8_BLOCK], lanes)
+                    row2[kk] = fp8[w2[s, i, kk]] * s2[s, i // FP8_BLOCK, kk // FP8_BLOCK]
+            p = np.int64(offsets[a])
+            while p < end:
+                m = min(MAX_TOKENS, end - p)
+                _float_dots(row1, act, act_row, p, m, first)
                 if fused:
-                    second = _fp8_dot(x, row2, s2[s, i // FP8_BLOCK], lanes)
-                    out[p, i] = _swiglu(first, second, limit)
-                else:
-                    out[p, i] = first
+                    _float_dots(row2, act, act_row, p, m, second)
+                for j in range(m):
+                    if fused:
+                        out[p + j, i] = _swiglu(first[j], second[j], limit)
+                    else:
+                        out[p + j, i] = first[j]
+                p += m
 
 
 @numba.njit(
