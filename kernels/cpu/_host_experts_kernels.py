@@ -1,5 +1,9 @@
 """numba kernels behind kernels/cpu/host_experts.py. Layouts and the order of every float
-sum are described there; this file holds the loops.
+sum are described there; this file holds the loops, and the LLVM IR of the VNNI inner loop.
+
+Everything a cached kernel calls lives in this one file: numba's cache is keyed on the
+source file that defines the cached function, so an edit to a helper in another file would
+leave a stale compiled kernel in the cache.
 
 Every function is compiled for one explicit signature (cache=True: a process loads it from
 numba's cache after the first compile). Parallel loops run over work items of one
@@ -12,14 +16,16 @@ I = intermediate, R = rows per row block (ROWS), B = 32-value blocks of the inpu
 
 from __future__ import annotations
 
+import functools
 import math
 
 import numba
 import numpy as np
 from llvmlite import binding as llvm
-from numba import float32, int8, int32, int64, prange, uint8, void
-
-from kernels.cpu._vnni_block_dot import MAX_TOKENS, WEIGHT_OFFSET, block_dot
+from llvmlite import ir
+from numba import float32, int8, int32, int64, prange, types, uint8, void
+from numba.core import cgutils
+from numba.extending import intrinsic
 
 ROWS = 4  # R: rows per row block; R x 16 bytes = one 64-byte line per 32-value block
 GROUP = 32  # values per E8M0 scale and per int8 activation scale
@@ -30,7 +36,7 @@ CHUNK_BLOCKS = 16
 # Pairs whose activations one pass over a decoded weight block serves.
 PAIR_TILE = 8
 FP8_BLOCK = 128
-LANES = 16  # float lanes of the FP8 dot (one AVX-512 vector of float32)
+LANES = 16  # float lanes of the FP8 dot (one AVX-512 vector of float32); K % 16 == 0
 LANES_PER_ROW = 4  # int32 lanes of one row's 16 bytes in a 64-byte VNNI line
 
 # The VNNI inner loop needs AVX-512 BW (vpshufb on 64 bytes) and VNNI (vpdpbusd).
@@ -38,6 +44,279 @@ _FEATURES = llvm.get_host_cpu_features()
 VNNI = bool(_FEATURES.get("avx512bw") and _FEATURES.get("avx512vnni"))
 
 _JIT = {"nogil": True, "cache": True, "boundscheck": False}
+
+
+# The AVX-512 VNNI inner loop of the MXFP4 kernel (`block_dot`), numba intrinsics built
+# from LLVM IR: LLVM does not turn a nibble-table lookup into vpshufb or an int8 dot into
+# vpdpbusd from plain loops, so both are called by name here.
+#
+# One call runs one row block (`lines` x 64-byte lines per 32-value input block: 1 for down's
+# 4 rows, 2 for gate/up's 4 + 4 rows) over all input blocks for `tokens` activation rows, the
+# decoded weights of each block serving every token. For each block b and line:
+#
+# - the 64 bytes split into low and high nibbles (vpand, vpsrlw); vpshufb maps each code to
+#   12 + 2 x E2M1 (0..24, unsigned), so vpdpbusd (unsigned x signed bytes) takes the weights
+#   as its unsigned operand and the int8 activations as they are;
+# - int32 lane 4r + q of the line (row r, q = 0..3) gets the exact dot of the row's elements
+#   4q..4q+3 and 16+4q..16+4q+3 with the activations: vpdpbusd starts from `lane_bias`,
+#   -12 x the sum of those activations (per token, block and q, precomputed), which takes
+#   off what the weights' offset of 12 adds;
+# - acc[lane] += float32(dot) * (step_b * 2^(e_rb - 127)), a multiply then an add (no FMA,
+#   so `mxfp4_rows` gives the same bits lane by lane).
+#
+# The caller folds each row's 4 lanes as (l0 + l1) + (l2 + l3).
+
+MAX_TOKENS = 4  # 4 tokens x 2 lines of float accumulators + decoded weights fit 32 registers
+WEIGHT_OFFSET = 12  # 2 x E2M1 is in -12..12
+# How far ahead of the line being decoded to prefetch the weights: one core's misses in
+# flight otherwise cap its read rate below its share of the memory bandwidth.
+PREFETCH_BYTES = 2048
+# vpshufb table: code -> 12 + 2 x E2M1 value (bit 3 of the code is the sign)
+_E2M1_MAGNITUDES_X2 = (0, 1, 2, 3, 4, 6, 8, 12)
+OFFSET_TABLE = [WEIGHT_OFFSET + v for v in _E2M1_MAGNITUDES_X2] + [
+    WEIGHT_OFFSET - v for v in _E2M1_MAGNITUDES_X2
+]
+
+_I8, _I32, _I64, _F32 = ir.IntType(8), ir.IntType(32), ir.IntType(64), ir.FloatType()
+_V64I8 = ir.VectorType(_I8, 64)
+_V16I32 = ir.VectorType(_I32, 16)
+_V16F32 = ir.VectorType(_F32, 16)
+
+
+def _c64(v: int):
+    return ir.Constant(_I64, v)
+
+
+def _mask(values):
+    return ir.Constant(ir.VectorType(ir.IntType(32), len(values)), list(values))
+
+
+def _ptr_load(builder, ptr, typ):
+    """An unaligned load of `typ` at ptr (an element pointer)."""
+    if getattr(ptr.type, "is_opaque", False):
+        return builder.load(ptr, typ=typ, align=1)
+    return builder.load(builder.bitcast(ptr, typ.as_pointer()), align=1)
+
+
+def _gep(builder, ptr, offset):
+    return builder.gep(ptr, [offset])
+
+
+def _prefetch(builder, ptr):
+    """A read prefetch into all cache levels (past the array's end it is a no-op)."""
+    i32 = ir.IntType(32)
+    if getattr(ptr.type, "is_opaque", False):
+        name = "llvm.prefetch.p0"
+    else:
+        ptr = builder.bitcast(ptr, _I8.as_pointer())
+        name = "llvm.prefetch.p0i8"
+    fnty = ir.FunctionType(ir.VoidType(), [ptr.type, i32, i32, i32])
+    fn = cgutils.get_or_insert_function(builder.module, fnty, name)
+    builder.call(fn, [ptr, ir.Constant(i32, 0), ir.Constant(i32, 3), ir.Constant(i32, 1)])
+
+
+def _x86(builder, name, ret, args):
+    fnty = ir.FunctionType(ret, [a.type for a in args])
+    return builder.call(cgutils.get_or_insert_function(builder.module, fnty, name), args)
+
+
+@functools.cache
+def block_dot(lines: int, tokens: int):
+    """block_dot(w, w_off, sc, sc_off, blocks, act, lane_bias, steps, act_row, p0, acc):
+    the accumulators of one row block (module docstring) for the activation rows
+    act_row[p0 : p0 + tokens], written to acc[i, 16 l : 16 l + 16] for token i, line l.
+    w / sc: the layer's weights / scales (w_off, sc_off: element offsets of the row
+    block); act int8 [A, 32 B]; lane_bias int32 [A, 4 B]; steps float32 [A, B]."""
+
+    @intrinsic
+    def dot(typingctx, w, w_off, sc, sc_off, blocks, act, lane_bias, steps, act_row, p0, acc):
+        sig = types.void(w, w_off, sc, sc_off, blocks, act, lane_bias, steps, act_row, p0, acc)
+
+        def codegen(context, builder, signature, args):
+            arrays = [
+                context.make_array(signature.args[i])(context, builder, args[i])
+                for i in (0, 2, 5, 6, 7, 8, 10)
+            ]
+            wa, sa, xa, la, ta, ra, aa = arrays
+            w_off, sc_off, n_blocks, p0 = args[1], args[3], args[4], args[9]
+            in_width = cgutils.unpack_tuple(builder, xa.shape)[1]  # 32 B
+            acc_width = cgutils.unpack_tuple(builder, aa.shape)[1]
+            rows = []
+            for i in range(tokens):
+                idx = builder.add(p0, _c64(i))
+                rows.append(builder.sext(builder.load(_gep(builder, ra.data, idx)), _I64))
+            table = ir.Constant(_V64I8, OFFSET_TABLE * 4)
+            low_bits = ir.Constant(_V64I8, [0x0F] * 64)
+            four = ir.Constant(_V64I8, [4] * 64)
+
+            entry = builder.block
+            header = builder.append_basic_block("blocks.header")
+            body = builder.append_basic_block("blocks.body")
+            done = builder.append_basic_block("blocks.done")
+            builder.branch(header)
+
+            builder.position_at_end(header)
+            b = builder.phi(_I64)
+            b.add_incoming(_c64(0), entry)
+            accs = [[builder.phi(_V16F32) for _ in range(lines)] for _ in range(tokens)]
+            for row in accs:
+                for a in row:
+                    a.add_incoming(ir.Constant(_V16F32, [0.0] * 16), entry)
+            builder.cbranch(builder.icmp_signed("<", b, n_blocks), body, done)
+
+            builder.position_at_end(body)
+            weights, scales = [], []
+            for line in range(lines):
+                index = builder.add(builder.mul(b, _c64(lines)), _c64(line))
+                w_ptr = _gep(builder, wa.data, builder.add(w_off, builder.mul(index, _c64(64))))
+                packed = _ptr_load(builder, w_ptr, _V64I8)
+                if PREFETCH_BYTES:
+                    _prefetch(builder, _gep(builder, w_ptr, _c64(PREFETCH_BYTES)))
+                lo = builder.and_(packed, low_bits)
+                hi = builder.and_(builder.lshr(packed, four), low_bits)
+                pair = []
+                for nib in (lo, hi):
+                    dec = _x86(builder, "llvm.x86.avx512.pshuf.b.512", _V64I8, [table, nib])
+                    pair.append(builder.bitcast(dec, _V16I32))
+                weights.append(pair)
+            # the E8M0 scales of all lines' rows at once (4 per line, contiguous)
+            n_scales = 4 * lines
+            s_ptr = _gep(builder, sa.data, builder.add(sc_off, builder.mul(b, _c64(n_scales))))
+            e = builder.zext(
+                _ptr_load(builder, s_ptr, ir.VectorType(_I8, n_scales)),
+                ir.VectorType(_I32, n_scales),
+            )
+            zero = ir.Constant(ir.VectorType(_I32, n_scales), [0] * n_scales)
+            bits = builder.select(
+                builder.icmp_unsigned("==", e, zero),
+                ir.Constant(ir.VectorType(_I32, n_scales), [1 << 22] * n_scales),
+                builder.shl(e, ir.Constant(ir.VectorType(_I32, n_scales), [23] * n_scales)),
+            )
+            per_row = builder.bitcast(bits, ir.VectorType(_F32, n_scales))
+            for line in range(lines):
+                spread = [4 * line + r for r in range(4) for _ in range(4)]  # row r -> lanes 4r..
+                scales.append(builder.shuffle_vector(per_row, per_row, _mask(spread)))
+            for i in range(tokens):
+                x_row = _gep(
+                    builder,
+                    xa.data,
+                    builder.add(builder.mul(rows[i], in_width), builder.mul(b, _c64(32))),
+                )
+                halves = []
+                for h in range(2):
+                    x16 = _ptr_load(
+                        builder, _gep(builder, x_row, _c64(16 * h)), ir.VectorType(_I8, 16)
+                    )
+                    x64 = builder.shuffle_vector(x16, x16, _mask(list(range(16)) * 4))
+                    halves.append(builder.bitcast(x64, _V16I32))
+                blocks_per_row = builder.sdiv(in_width, _c64(32))
+                cell = builder.add(builder.mul(rows[i], blocks_per_row), b)
+                bias_ptr = _gep(builder, la.data, builder.mul(cell, _c64(4)))
+                bias4 = _ptr_load(builder, bias_ptr, ir.VectorType(_I32, 4))
+                bias = builder.shuffle_vector(bias4, bias4, _mask(list(range(4)) * 4))
+                step = builder.load(_gep(builder, ta.data, cell))
+                step16 = builder.insert_element(
+                    ir.Constant(_V16F32, ir.Undefined), step, ir.Constant(_I32, 0)
+                )
+                step16 = builder.shuffle_vector(step16, step16, _mask([0] * 16))
+                for line in range(lines):
+                    d = bias
+                    for h in range(2):
+                        d = _x86(
+                            builder,
+                            "llvm.x86.avx512.vpdpbusd.512",
+                            _V16I32,
+                            [d, weights[line][h], halves[h]],
+                        )
+                    f = builder.sitofp(d, _V16F32)
+                    new = builder.fadd(
+                        accs[i][line], builder.fmul(f, builder.fmul(step16, scales[line]))
+                    )
+                    accs[i][line].add_incoming(new, body)
+            b.add_incoming(builder.add(b, _c64(1)), body)
+            builder.branch(header)
+
+            builder.position_at_end(done)
+            for i in range(tokens):
+                for line in range(lines):
+                    out = _gep(
+                        builder,
+                        aa.data,
+                        builder.add(builder.mul(_c64(i), acc_width), _c64(16 * line)),
+                    )
+                    if getattr(out.type, "is_opaque", False):
+                        builder.store(accs[i][line], out, align=4)
+                    else:
+                        builder.store(
+                            accs[i][line], builder.bitcast(out, _V16F32.as_pointer()), align=4
+                        )
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dot
+
+
+@functools.cache
+def float_dot(tokens: int):
+    """float_dot(w, act, act_row, p0, out): out[i] = w . act[act_row[p0 + i]] for i <
+    tokens, float32 (w [K], act [A, K], K % 16 == 0). The order, the same for every
+    `tokens`: lane j sums w[k] * act[k] for k = j, j + 16, ... in k order (a multiply then
+    an add, never fused), then the lanes fold by halves (j + 8 onto j, + 4, + 2, + 1)."""
+
+    @intrinsic
+    def dot(typingctx, w, act, act_row, p0, out):
+        sig = types.void(w, act, act_row, p0, out)
+
+        def codegen(context, builder, signature, args):
+            wa, xa, ra, _, oa = (
+                context.make_array(signature.args[i])(context, builder, args[i]) if i != 3 else None
+                for i in range(5)
+            )
+            p0 = args[3]
+            k = cgutils.unpack_tuple(builder, xa.shape)[1]
+            x_rows = []
+            for i in range(tokens):
+                row = builder.load(_gep(builder, ra.data, builder.add(p0, _c64(i))))
+                x_rows.append(_gep(builder, xa.data, builder.mul(builder.sext(row, _I64), k)))
+            entry = builder.block
+            header = builder.append_basic_block("k.header")
+            body = builder.append_basic_block("k.body")
+            done = builder.append_basic_block("k.done")
+            builder.branch(header)
+            builder.position_at_end(header)
+            kk = builder.phi(_I64)
+            kk.add_incoming(_c64(0), entry)
+            accs = [builder.phi(_V16F32) for _ in range(tokens)]
+            for a in accs:
+                a.add_incoming(ir.Constant(_V16F32, [0.0] * 16), entry)
+            builder.cbranch(builder.icmp_signed("<", kk, k), body, done)
+            builder.position_at_end(body)
+            wv = _ptr_load(builder, _gep(builder, wa.data, kk), _V16F32)
+            for i in range(tokens):
+                xv = _ptr_load(builder, _gep(builder, x_rows[i], kk), _V16F32)
+                accs[i].add_incoming(builder.fadd(accs[i], builder.fmul(xv, wv)), body)
+            kk.add_incoming(builder.add(kk, _c64(16)), body)
+            builder.branch(header)
+            builder.position_at_end(done)
+            for i, v in enumerate(accs):
+                width = 16
+                while width > 1:
+                    half = width // 2
+                    lo = builder.shuffle_vector(v, v, _mask(range(half)))
+                    hi = builder.shuffle_vector(v, v, _mask(range(half, width)))
+                    v = builder.fadd(lo, hi)
+                    width = half
+                total = builder.extract_element(v, ir.Constant(_I32, 0))
+                builder.store(total, _gep(builder, oa.data, _c64(i)))
+            return context.get_dummy_value()
+
+        return sig, codegen
+
+    return dot
+
+
+_FLOAT_DOT_1, _FLOAT_DOT_2, _FLOAT_DOT_3, _FLOAT_DOT_4 = (float_dot(t) for t in range(1, 5))
 
 
 def _e2m1_times_two() -> np.ndarray:
@@ -82,12 +361,12 @@ def _swiglu(gate, up, limit):
 @numba.njit(
     void(float32[:, ::1], int8[:, ::1], float32[:, ::1], int32[:, ::1]), parallel=True, **_JIT
 )
-def quantize_rows(x, q, half_step, lane_sums):
+def quantize_rows(x, q, half_step, lane_bias):
     """Per row per 32 values: step = max(amax, 1e-30) / 127, q = x / step rounded to nearest
     (ties away from zero), clamped to +-127; half_step = step / 2 (undoes the x 2 of the
-    E2M1 decode); lane_sums[row, 4 b + l] = WEIGHT_OFFSET x the sum of block b's codes
-    4l..4l+3 and 16+4l..16+4l+3 (what the VNNI kernel's unsigned weights add).
-    x [N, C], q [N, C], half_step [N, C/32], lane_sums [N, C/8]."""
+    E2M1 decode); lane_bias[row, 4 b + l] = -WEIGHT_OFFSET x the sum of block b's codes
+    4l..4l+3 and 16+4l..16+4l+3 (takes off what the VNNI kernel's unsigned weights add).
+    x [N, C], q [N, C], half_step [N, C/32], lane_bias [N, C/8]."""
     n, c = x.shape
     for row in prange(n):
         for b in range(c // GROUP):
@@ -104,7 +383,7 @@ def quantize_rows(x, q, half_step, lane_sums):
                 total = 0
                 for j in range(4 * lane, 4 * lane + 4):
                     total += int32(q[row, b * GROUP + j]) + int32(q[row, b * GROUP + HALF + j])
-                lane_sums[row, b * LANES_PER_ROW + lane] = WEIGHT_OFFSET * total
+                lane_bias[row, b * LANES_PER_ROW + lane] = -WEIGHT_OFFSET * total
 
 
 MXFP4_ROWS_SIGNATURE = void(
@@ -112,7 +391,7 @@ MXFP4_ROWS_SIGNATURE = void(
     uint8[:, :, :, ::1],  # scales [S, N/R, B, rows]
     int8[:, ::1],  # activations [A, B * 32] (A = tokens or pairs)
     float32[:, ::1],  # activation half steps [A, B]
-    int32[:, ::1],  # activation lane sums [A, 4 B] (VNNI only)
+    int32[:, ::1],  # activation lane bias [A, 4 B] (VNNI only)
     int32[::1],  # active slots [E_active]
     int32[::1],  # pair offsets per active slot [E_active + 1]
     int32[::1],  # activation row of each pair [P]
@@ -145,7 +424,7 @@ def _store_rows(acc, i, out, p, rb, fused, limit):
 
 
 @numba.njit(MXFP4_ROWS_SIGNATURE, parallel=True, **_JIT)
-def mxfp4_rows(w, scales, act, act_step, lane_sums, slots, offsets, act_row, limit, out):
+def mxfp4_rows(w, scales, act, act_step, lane_bias, slots, offsets, act_row, limit, out):
     """out[p, n] for every pair p of every active slot, portable loops. Each row's 32-value
     block splits in 4 lanes (lane l: elements 4l..4l+3 and 16+4l..16+4l+3); a lane's int8
     dot is exact (int32), acc[lane] += float32(dot) * (half_step_b * 2^(e_b - 127)) over
@@ -190,8 +469,8 @@ def mxfp4_rows(w, scales, act, act_step, lane_sums, slots, offsets, act_row, lim
                     _store_rows(acc, p - p0, out, p, rb, rows == 2 * ROWS, limit)
 
 
-def _mxfp4_rows_vnni(w, scales, act, act_step, lane_sums, slots, offsets, act_row, limit, out):
-    """mxfp4_rows with the inner loop in AVX-512 VNNI (kernels/cpu/_vnni_block_dot.py), in
+def _mxfp4_rows_vnni(w, scales, act, act_step, lane_bias, slots, offsets, act_row, limit, out):
+    """mxfp4_rows with the inner loop in AVX-512 VNNI (`block_dot`), in
     the same order, so the same bits; up to MAX_TOKENS pairs share each decoded block."""
     row_blocks, blocks, rows = w.shape[1], w.shape[2], w.shape[3]
     fused = rows == 2 * ROWS
@@ -207,7 +486,7 @@ def _mxfp4_rows_vnni(w, scales, act, act_step, lane_sums, slots, offsets, act_ro
             p = np.int64(offsets[a])
             while p < end:
                 n = min(MAX_TOKENS, end - p)
-                x = (act, lane_sums, act_step, act_row, p, acc)
+                x = (act, lane_bias, act_step, act_row, p, acc)
                 if fused and n == 4:
                     _DOT_2_4(w, w_off, scales, sc_off, blocks, *x)
                 elif fused and n == 3:
@@ -238,25 +517,20 @@ else:
 
 
 @numba.njit(
-    float32(float32[::1], float32[::1], float32[::1], float32[::1]), inline="always", **_JIT
+    void(float32[::1], float32[:, ::1], int32[::1], int64, int64, float32[::1]),
+    inline="always",
+    **_JIT,
 )
-def _fp8_dot(x, w, scales, lanes):
-    """sum over 128-blocks, in order, of scale * (block dot): each block's dot sums 16
-    lanes (lane j: elements j, j + 16, ... of the block, in order) folded by halves."""
-    k = x.shape[0]
-    total = float32(0.0)
-    for b in range((k + FP8_BLOCK - 1) // FP8_BLOCK):
-        lanes[:] = 0.0
-        for k0 in range(b * FP8_BLOCK, min(k, (b + 1) * FP8_BLOCK), LANES):
-            for j in range(LANES):
-                lanes[j] += x[k0 + j] * w[k0 + j]
-        width = LANES
-        while width > 1:
-            width //= 2
-            for j in range(width):
-                lanes[j] += lanes[j + width]
-        total += lanes[0] * scales[b]
-    return total
+def _float_dots(w, act, act_row, p, n, out):
+    """out[:n] = w . act[act_row[p + i]] (`float_dot`, the same order for every n)."""
+    if n == 4:
+        _FLOAT_DOT_4(w, act, act_row, p, out)
+    elif n == 3:
+        _FLOAT_DOT_3(w, act, act_row, p, out)
+    elif n == 2:
+        _FLOAT_DOT_2(w, act, act_row, p, out)
+    else:
+        _FLOAT_DOT_1(w, act, act_row, p, out)
 
 
 @numba.njit(
@@ -277,8 +551,10 @@ def _fp8_dot(x, w, scales, lanes):
     **_JIT,
 )
 def fp8_rows(w1, w2, s1, s2, act, slots, offsets, act_row, fused, limit, out):
-    """out[p, n] = (W1 act)[n] in float32, or swiglu(W1 act, W2 act) when fused; each
-    weight row is decoded to float32 once per work item and serves every pair."""
+    """out[p, n] = (W1 act)[n] in float32, or swiglu(W1 act, W2 act) when fused. Each
+    weight row is dequantized once per work item (E4M3 value x its block scale, the float32
+    product kernels/formats' dequantize gives) and serves up to MAX_TOKENS pairs per
+    `float_dot` call."""
     n, k = w1.shape[1], w1.shape[2]
     row_chunk = ROWS * CHUNK_BLOCKS
     chunks = (n + row_chunk - 1) // row_chunk
@@ -288,21 +564,27 @@ def fp8_rows(w1, w2, s1, s2, act, slots, offsets, act_row, fused, limit, out):
         s = slots[a]
         row1 = np.empty(k, dtype=np.float32)
         row2 = np.empty(k, dtype=np.float32)
-        lanes = np.empty(LANES, dtype=np.float32)
+        first = np.empty(MAX_TOKENS, dtype=np.float32)
+        second = np.empty(MAX_TOKENS, dtype=np.float32)
+        end = np.int64(offsets[a + 1])
         for i in range(c * row_chunk, min(n, (c + 1) * row_chunk)):
             for kk in range(k):
-                row1[kk] = fp8[w1[s, i, kk]]
+                row1[kk] = fp8[w1[s, i, kk]] * s1[s, i // FP8_BLOCK, kk // FP8_BLOCK]
             if fused:
                 for kk in range(k):
-                    row2[kk] = fp8[w2[s, i, kk]]
-            for p in range(offsets[a], offsets[a + 1]):
-                x = act[act_row[p]]
-                first = _fp8_dot(x, row1, s1[s, i // FP8_BLOCK], lanes)
+                    row2[kk] = fp8[w2[s, i, kk]] * s2[s, i // FP8_BLOCK, kk // FP8_BLOCK]
+            p = np.int64(offsets[a])
+            while p < end:
+                m = min(MAX_TOKENS, end - p)
+                _float_dots(row1, act, act_row, p, m, first)
                 if fused:
-                    second = _fp8_dot(x, row2, s2[s, i // FP8_BLOCK], lanes)
-                    out[p, i] = _swiglu(first, second, limit)
-                else:
-                    out[p, i] = first
+                    _float_dots(row2, act, act_row, p, m, second)
+                for j in range(m):
+                    if fused:
+                        out[p + j, i] = _swiglu(first[j], second[j], limit)
+                    else:
+                        out[p + j, i] = first[j]
+                p += m
 
 
 @numba.njit(

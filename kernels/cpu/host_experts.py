@@ -13,13 +13,15 @@ gate/up [I, D/2] + [I, D/32] and down [D, I/2] + [D, I/32], R = ROWS = 4):
 Memory is the stored bytes exactly (`nbytes`): no float copy of any weight.
 
 Arithmetic (MXFP4): activations are quantized per token per 32 values to int8
-(`quantize_rows`; step = amax / 127), weights decode to 2 x E2M1, an exact int8. For each
-output (pair, row): dot_b = the int32 dot of block b (exact), then
-acc = sum over b in order of float32(dot_b) * (half_step_b * 2^(e_b - 127)). SwiGLU (with
+(`quantize_rows`; step = amax / 127), weights decode to 2 x E2M1, an exact int8. Each
+output (pair, row) keeps 4 lanes; lane l of block b is the exact int32 dot of elements
+4l..4l+3 and 16+4l..16+4l+3, and acc_l = sum over b in order of float32(dot) *
+(half_step_b * 2^(e_b - 127)); the row is (acc_0 + acc_1) + (acc_2 + acc_3). SwiGLU (with
 the limit's clamps) runs on the float32 gate/up, its output is quantized again per 32 and
-goes through down the same way. FP8: weight rows decode to float32 (exactly), activations
-stay float32; each 128-block's dot sums 16 lanes in a fixed order (kernels/cpu/
-_host_experts_kernels.py `_fp8_dot`), times its block scale, summed over blocks in order.
+goes through down the same way. FP8: each weight row is dequantized to float32 (E4M3 value
+x block scale, as kernels/formats does), activations stay float32, and the dot sums 16
+lanes (lane j: elements j, j + 16, ... in order) folded by halves (`float_dot` in
+kernels/cpu/_host_experts_kernels.py).
 Last, out[t] = sum over k in k order of weights[t, k] * y_k. Every order depends on the
 layout alone, never on how many tokens share the call or chose the same expert: a row's
 result does not depend on its batch.
@@ -266,13 +268,13 @@ def _mxfp4_pairs(e, x, slots, offsets, pair_token, identity, limit, y):
 
 
 def _quantized(x: np.ndarray):
-    """int8 codes [N, C], half steps [N, C/32] and lane sums [N, C/8] of x [N, C]."""
+    """int8 codes [N, C], half steps [N, C/32] and VNNI lane bias [N, C/8] of x [N, C]."""
     n, c = x.shape
     q = np.empty((n, c), dtype=np.int8)
     half_step = np.empty((n, c // GROUP), dtype=np.float32)
-    lane_sums = np.empty((n, c // GROUP * _k.LANES_PER_ROW), dtype=np.int32)
-    _k.quantize_rows(x, q, half_step, lane_sums)
-    return q, half_step, lane_sums
+    lane_bias = np.empty((n, c // GROUP * _k.LANES_PER_ROW), dtype=np.int32)
+    _k.quantize_rows(x, q, half_step, lane_bias)
+    return q, half_step, lane_bias
 
 
 def _fp8_pairs(e, x, slots, offsets, pair_token, identity, limit, y):

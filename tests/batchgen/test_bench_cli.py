@@ -20,6 +20,7 @@ from batchgen.cli import main
 
 BENCHMARKS = {
     "clustering",
+    "cpu-experts",
     "decode",
     "decode-moe",
     "kernels",

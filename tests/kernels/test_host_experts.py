@@ -147,13 +147,13 @@ def test_int8_activations_match_the_twins_rounding_exactly():
     x = torch.randn(5, 96, generator=g) * torch.rand(5, 1, generator=g)
     x[0, :32] = torch.arange(32) - 15.5  # ties (x / step = k + 0.5) round away from zero
     x[1, 32:64] = 0.0  # an all-zero block: the 1e-30 floor
-    q, half_step, lane_sums = _quantized(x.numpy())
+    q, half_step, lane_bias = _quantized(x.numpy())
     steps = torch.from_numpy(half_step).repeat_interleave(32, 1) * 2
     assert torch.equal(torch.from_numpy(q).float() * steps, quantize_int8_blocks(x))
-    # lane l of block b: codes 4l..4l+3 and 16+4l..16+4l+3, times the weight offset 12
+    # lane l of block b: codes 4l..4l+3 and 16+4l..16+4l+3, times minus the weight offset 12
     codes = torch.from_numpy(q).long().view(5, 3, 2, 4, 4)  # [N, B, half, lane, 4]
-    want = codes.sum(dim=(2, 4)).view(5, 12) * 12
-    assert torch.equal(torch.from_numpy(lane_sums).long(), want)
+    want = codes.sum(dim=(2, 4)).view(5, 12) * -12
+    assert torch.equal(torch.from_numpy(lane_bias).long(), want)
 
 
 @pytest.mark.skipif(not kernels.VNNI, reason="needs AVX-512 BW + VNNI")
