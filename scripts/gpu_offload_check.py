@@ -84,7 +84,9 @@ def decode_speed(work: Path, layers: int, batches, shares, new_tokens: int) -> l
     rows = []
     for share in shares:
         options = {}
-        if share:
+        if share == "auto":
+            options["expert_offload"] = "auto"
+        elif share:
             placement = work / f"placement-{share}.json"
             every_nth_on_host(moe, config["n_routed_experts"], share, placement)
             options["expert_offload"] = str(placement)
@@ -137,7 +139,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--batches", default="1,8,64")
-    ap.add_argument("--shares", default="0,0.125,0.5")
+    ap.add_argument("--shares", default="0,0.125,0.5", help="host shares, or auto")
     ap.add_argument("--new-tokens", type=int, default=32)
     ap.add_argument("--skip-correctness", action="store_true")
     ap.add_argument("--dtypes", default="float32,bfloat16")
@@ -153,7 +155,7 @@ def main() -> None:
         if not a.skip_correctness:
             result["correctness"] = correctness(work, a.dtypes.split(","))
         batches = [int(b) for b in a.batches.split(",")]
-        shares = [float(s) for s in a.shares.split(",")]
+        shares = [s if s == "auto" else float(s) for s in a.shares.split(",")]
         result["decode"] = decode_speed(work, a.layers, batches, shares, a.new_tokens)
     (out_dir / f"offload-{a.name}.json").write_text(json.dumps(result, indent=1) + "\n")
 
