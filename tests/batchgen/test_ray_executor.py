@@ -36,9 +36,9 @@ def ray_cluster():
     ray.shutdown()
 
 
-def _jobs(model_dir: Path, root: Path, **sections) -> tuple[Path, Path]:
+def _jobs(model_dir: Path, root: Path, rows=None, **sections) -> tuple[Path, Path]:
     """The same job twice, local and on Ray, over one input, in their own run dirs."""
-    rows = int_id_rows(ROWS)
+    rows = rows or int_id_rows(ROWS)
     local = job_file(model_dir, _dir(root / "local"), rows, root / "local" / "run", **sections)
     on_ray = job_file(
         model_dir,
@@ -73,6 +73,7 @@ def _assert_exactly_once_and_equal(run_path: Path, local_run: Path, n: int = 1) 
     assert (got["status"] == "ok").all()
     assert got["text"].to_list() == want["text"].to_list()
     assert got["seed"].to_list() == want["seed"].to_list()
+    assert got["cluster_id"].to_list() == want["cluster_id"].to_list()
     # Every live part's ids are its own: nothing is counted twice in the manifest.
     lines = manifest(run_path)
     assert sum(e["rows"] for e in lines) == ROWS * n
@@ -81,11 +82,14 @@ def _assert_exactly_once_and_equal(run_path: Path, local_run: Path, n: int = 1) 
 
 def test_ray_matches_local_seeded(ray_cluster, tiny_model_dir, tmp_path):
     sampling = {"temperature": 0.9, "top_p": 0.95, "seed": 11, "n": 2, "max_tokens": 6}
-    local, on_ray = _jobs(tiny_model_dir, tmp_path, sampling=sampling)
+    batching = {"cluster": "auto", "num_clusters": 3}
+    local, on_ray = _jobs(tiny_model_dir, tmp_path, sampling=sampling, batching=batching)
     assert _run_in_process(local).exit_code == 0
     outcome = _run_in_process(on_ray)
     assert outcome.exit_code == 0, outcome.message
     _assert_exactly_once_and_equal(tmp_path / "ray" / "run", tmp_path / "local" / "run", n=2)
+    clusters = results(tmp_path / "ray" / "run")["cluster_id"]
+    assert clusters.null_count() == 0 and clusters.n_unique() > 1
     lines = manifest(tmp_path / "ray" / "run")
     assert all(e["worker"] for e in lines)  # each part names the worker that wrote it
     report = json.loads((tmp_path / "ray" / "run" / "report.json").read_text())
@@ -122,7 +126,8 @@ def test_worker_killed_mid_run_completes_exactly_once(ray_cluster, tiny_model_di
 
 
 def test_driver_killed_then_rerun_completes_exactly_once(ray_cluster, tiny_model_dir, tmp_path):
-    local, on_ray = _jobs(tiny_model_dir, tmp_path)
+    rows = int_id_rows(ROWS, task=lambda i: f"task-{i % 3}")
+    local, on_ray = _jobs(tiny_model_dir, tmp_path, rows, batching={"cluster": "task"})
     run_path = tmp_path / "ray" / "run"
     # The driver is its own process connected to the test's cluster, so it can be killed.
     raw = on_ray.read_text().replace("type: ray", f"type: ray\n  address: '{ray_cluster}'")
