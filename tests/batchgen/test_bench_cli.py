@@ -25,6 +25,7 @@ BENCHMARKS = {
     "kernels",
     "mla-decode",
     "pipeline-memory",
+    "ray",
     "routing",
     "step-tune",
     "v4-kernels",
