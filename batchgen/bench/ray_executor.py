@@ -94,6 +94,15 @@ def run_benchmark(workers: list[int], args: dict, base: Path) -> dict:
         {"executor": "local", **_measure(_job(model, data, local_run, args, None), local_run)}
     )
     click.echo(f"local: {runs[-1]}")
+    if args["gpu"]:
+        import gc
+
+        import torch
+
+        # The local engine's memory back to the GPU before a worker process measures
+        # what it may take for its KV cache.
+        gc.collect()
+        torch.cuda.empty_cache()
     resources = {"GPU": 1} if args["gpu"] else {"CPU": threads}
     ray.init(
         address=args["address"],
