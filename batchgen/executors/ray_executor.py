@@ -90,6 +90,21 @@ def _run_locked(ray, ctx, job, job_path, new_run, retry_errors, progress) -> Run
     finished, reconciled = check_session(ctx, job, job_path, new_run, retry_errors, session_id)
     if finished is not None:
         return finished
+    # Connected before the run directory is opened: a cluster that cannot be reached is
+    # refused with nothing written.
+    started_ray = _connect(ray, job.executor)
+    try:
+        return _run_session(
+            ray, ctx, job, job_path, new_run, retry_errors, progress, session_id, reconciled
+        )
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def _run_session(
+    ray, ctx, job, job_path, new_run, retry_errors, progress, session_id, reconciled
+) -> RunOutcome:
     session = open_session(
         ctx, job, job_path, new_run, retry_errors, session_id, reconciled, progress
     )
@@ -105,15 +120,12 @@ def _run_locked(ray, ctx, job, job_path, new_run, retry_errors, progress) -> Run
         block_rows,
         job.executor.num_workers,
     )
-    started_ray = _connect(ray, job.executor)
     session.progress.start(session.stats, title=f"batchgen run {job_path} (ray)")
     started = time.time()
     try:
         state, gave_up = _drive(ray, ctx, job, session, labels, blocks)
     finally:
         session.progress.finish(session.stats)
-        if started_ray:
-            ray.shutdown()
         set_aside_unrecorded(run_dir, session_id)
     outcome = conclude_session(session, job, job_path, ctx, state, gave_up)
     log.info("session took %.1fs", time.time() - started)
@@ -138,7 +150,14 @@ def _connect(ray, spec: ExecutorSpec) -> bool:
     True when this call started Ray here, so the driver shuts it down at the end."""
     if ray.is_initialized():
         return False
-    ray.init(address=spec.address, logging_level=logging.WARNING, log_to_driver=False)
+    try:
+        ray.init(address=spec.address, logging_level=logging.WARNING, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        where = spec.address or "RAY_ADDRESS / a running cluster / a new local one"
+        message = " ".join(str(exc).split())[:300]
+        raise JobError(
+            f"executor.address: cannot start or reach Ray at {where}: {message}"
+        ) from None
     context = ray.data.DataContext.get_current()
     context.enable_progress_bars = False
     return True
