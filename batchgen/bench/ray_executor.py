@@ -105,7 +105,7 @@ def run_benchmark(workers: list[int], args: dict, base: Path) -> dict:
         torch.cuda.empty_cache()
     resources = {"GPU": 1} if args["gpu"] else {"CPU": threads}
     ray.init(
-        address=args["address"],
+        address=args["address"] or "local",  # "local": never a stale cluster of this host
         num_cpus=None if args["address"] else max(workers) * threads,
         include_dashboard=False,
         logging_level="WARNING",

@@ -30,7 +30,14 @@ RAY_EXECUTOR = {"type": "ray", "num_workers": 2, "resources_per_worker": {"CPU":
 
 @pytest.fixture(scope="module")
 def ray_cluster():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level="WARNING", log_to_driver=False)
+    # address "local": a new cluster even when another one on this machine is (or was) running
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level="WARNING",
+        log_to_driver=False,
+    )
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
