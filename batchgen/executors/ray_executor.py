@@ -158,8 +158,6 @@ def _connect(ray, spec: ExecutorSpec) -> bool:
         raise JobError(
             f"executor.address: cannot start or reach Ray at {where}: {message}"
         ) from None
-    context = ray.data.DataContext.get_current()
-    context.enable_progress_bars = False
     return True
 
 
@@ -177,6 +175,9 @@ def _drive(ray, ctx, job, session: Session, labels: WorkerLabels, blocks) -> tup
     if not blocks:
         return "done", None
     spec = job.executor
+    # The driver's own progress lines and display count the run; Ray Data's bars would
+    # interleave with them.
+    ray.data.DataContext.get_current().enable_progress_bars = False
     options = _actor_options(spec)
     threads = int(options["num_cpus"]) or None
     dataset = ray.data.from_items(
