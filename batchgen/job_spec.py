@@ -201,6 +201,35 @@ class ErrorsSpec(_Section):
     budget: float = Field(0.01, ge=0, le=1)
 
 
+class ExecutorSpec(_Section):
+    """Where the job runs. Not part of the fingerprint: a row's output is the same on
+    either executor, so a run started locally may be resumed on a Ray cluster."""
+
+    type: Literal["local", "ray"] = "local"
+    address: str | None = Field(
+        None,
+        description="ray: auto | ray://host:port | local; default: a running cluster, else a "
+        "new local one",
+    )
+    num_workers: int = Field(1, ge=1, description="ray: engines (actors), one per GPU or slot")
+    resources_per_worker: dict[str, float] | None = Field(
+        None, description="ray: e.g. {GPU: 1} or {CPU: 4}; default {CPU: 1}"
+    )
+
+    @model_validator(mode="after")
+    def _ray_keys_only_for_ray(self) -> ExecutorSpec:
+        if self.type == "local" and (
+            self.address is not None
+            or self.num_workers != 1
+            or self.resources_per_worker is not None
+        ):
+            raise ValueError("address, num_workers and resources_per_worker need type: ray")
+        for name, amount in (self.resources_per_worker or {}).items():
+            if not amount > 0:
+                raise ValueError(f"resources_per_worker.{name} must be > 0 (got {amount})")
+        return self
+
+
 class JobSpec(_Section):
     input: InputSpec
     prompt: PromptSpec | None = None
@@ -209,6 +238,7 @@ class JobSpec(_Section):
     batching: BatchingSpec = BatchingSpec()
     output: OutputSpec
     errors: ErrorsSpec = ErrorsSpec()
+    executor: ExecutorSpec = ExecutorSpec()
 
     @model_validator(mode="after")
     def _prompt_for_parquet(self) -> JobSpec:

@@ -34,6 +34,8 @@ def part_metadata(entry: ManifestEntry, fingerprint: str) -> dict[bytes, bytes]:
     """The key-value metadata a part is written with (its line, less bytes and checksum,
     which only exist once the file does)."""
     fields = {k: v for k, v in entry.__dict__.items() if k not in ("bytes", "checksum")}
+    if fields.get("worker") is None:
+        fields.pop("worker", None)
     return {METADATA_KEY: json.dumps({"fingerprint": fingerprint, **fields}).encode()}
 
 

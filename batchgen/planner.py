@@ -50,7 +50,9 @@ class ClusterLabels:
             self.ids = json.loads(path.read_text())["labels"]
 
     def assign(self, row: InputRow) -> int | None:
-        label = row.values.get(self.column)
+        return self.id_for(row.values.get(self.column))
+
+    def id_for(self, label) -> int | None:
         if label is None:
             return None
         label = str(label)

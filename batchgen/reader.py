@@ -200,23 +200,48 @@ class ParquetInput:
     def rows(self) -> Iterator[InputRow]:
         """Every input row in file order, one record batch in memory at a time."""
         seq = 0
-        value_cols = self.value_columns()
         for f, first, batch in self._located_batches(self.read_columns):
-            try:
-                ids = _row_ids(batch, self.id_source, self.columns)
-                values = batch.select(value_cols).to_pylist()
-            except UnicodeDecodeError:  # check_text finds these first, when it ran
-                self._refuse_invalid_text(f, first, batch)
-                raise
-            for row_id, vals in zip(ids, values):
-                yield InputRow(seq=seq, id=row_id, values=vals)
-                seq += 1
+            yield from self._batch_rows(f, first, batch, seq)
+            seq += batch.num_rows
+
+    def slice_rows(
+        self, file: int, row_group: int, offset: int, count: int, first_seq: int
+    ) -> Iterator[InputRow]:
+        """`count` rows of one row group of `self.files[file]` from `offset` on, whose
+        first is input row `first_seq`: one block of a distributed run, read alone."""
+        f = self.files[file]
+        pf = pq.ParquetFile(f)
+        start = sum(pf.metadata.row_group(i).num_rows for i in range(row_group)) + offset
+        table = pf.read_row_group(row_group, columns=self.read_columns).slice(offset, count)
+        for batch in table.to_batches(max_chunksize=self.spec.batch_rows):
+            yield from self._batch_rows(f, start, batch, first_seq)
+            start += batch.num_rows
+            first_seq += batch.num_rows
+
+    def _batch_rows(
+        self, f: Path, first: int, batch: pa.RecordBatch, seq: int
+    ) -> Iterator[InputRow]:
+        try:
+            ids = _row_ids(batch, self.id_source, self.columns)
+            values = batch.select(self.value_columns()).to_pylist()
+        except UnicodeDecodeError:  # check_text finds these first, when it ran
+            self._refuse_invalid_text(f, first, batch)
+            raise
+        for row_id, vals in zip(ids, values):
+            yield InputRow(seq=seq, id=row_id, values=vals)
+            seq += 1
 
     def ids(self) -> Iterator[str | None]:
         """Only the ids, reading as few columns as possible."""
         cols = self.columns if self.id_source == CONTENT_HASH else [self.id_source]
         for batch in self._batches(cols):
             yield from _row_ids(batch, self.id_source, self.columns)
+
+    def row_group_ids(self, file: int, row_group: int) -> list[str | None]:
+        """The ids of one row group of `self.files[file]`, in order."""
+        cols = self.columns if self.id_source == CONTENT_HASH else [self.id_source]
+        table = pq.ParquetFile(self.files[file]).read_row_group(row_group, columns=cols)
+        return _row_ids(table, self.id_source, self.columns)
 
     def check_ids(self) -> int:
         """Refuse null or duplicate ids, naming the first few; return the row count.

@@ -147,6 +147,21 @@ def routing_by_cluster(run_dir: RunDir) -> dict:
     return {key: round(total / steps, 2) for key, (total, steps) in sums.items() if steps}
 
 
+def per_worker(run_dir: RunDir) -> dict[str, dict]:
+    """Result rows and tokens per Ray worker, over the live parts (empty for a run the
+    local executor did alone; its parts count under "local" next to workers' parts)."""
+    workers: dict[str, Counter] = defaultdict(Counter)
+    for e in run_dir.live_parts():
+        w = workers[e.worker or "local"]
+        w["parts"] += 1
+        w["rows"] += e.rows
+        w["error"] += e.error
+        w["completion_tokens"] += e.completion_tokens
+    if set(workers) <= {"local"}:
+        return {}
+    return {k: dict(v) for k, v in sorted(workers.items())}
+
+
 def build_report(
     run_dir: RunDir,
     job: JobSpec | None,
@@ -174,6 +189,7 @@ def build_report(
             if run_dir.expert_placement_file.exists()
             else None
         ),
+        "workers": per_worker(run_dir),
         **summarize(EngineFaultLog(run_dir.path).events()),
         "generated": time.time(),
     }
@@ -228,6 +244,19 @@ def render_markdown(report: dict) -> str:
     else:
         lines.append("No errors.")
     lines += _engine_section(report)
+    if report.get("workers"):
+        lines += [
+            "",
+            "## Workers (Ray)",
+            "",
+            "| worker | parts | result rows | error rows | output tokens |",
+            "|---|---|---|---|---|",
+        ]
+        for name, w in report["workers"].items():
+            lines.append(
+                f"| {name} | {w['parts']:,} | {w['rows']:,} | {w.get('error', 0):,} | "
+                f"{w.get('completion_tokens', 0):,} |"
+            )
     t = report["tokens"]
     lines += [
         "",

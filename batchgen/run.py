@@ -114,13 +114,30 @@ def _error_results(
     ]
 
 
-class _Loop:
-    """One session of a run. The feed gives the engine its requests; finished rows (from
-    the engine, or errors found before it) go to `_finish_row`. An engine failure commits
+class RunLoop:
+    """Rows through the engine into a writer: one session of a local run, or one block
+    of a Ray worker. The feed gives the engine its requests; finished rows (from the
+    engine, or errors found before it) go to `_finish_row`. An engine failure commits
     what finished, requeues the rows in flight and rebuilds the engine (`_recover`); rows
-    in the failing step of two failures run alone once the engine works again."""
+    in the failing step of two failures run alone once the engine works again.
 
-    def __init__(self, ctx, engine, renderer, writer, stats, progress, done_ids, labels, spill_dir):
+    `rows` are the input rows to run (committed ones already left out), in input order;
+    `budget_rows` is how many error result rows stop the loop (default: the job's
+    budget over its whole input)."""
+
+    def __init__(
+        self,
+        ctx,
+        engine,
+        renderer,
+        writer,
+        stats,
+        progress,
+        rows: Iterable[InputRow],
+        labels,
+        spill_dir,
+        budget_rows: float | None = None,
+    ):
         self.ctx = ctx
         self.job = ctx.job
         self.engine: EngineSupervisor = engine
@@ -128,11 +145,13 @@ class _Loop:
         self.writer = writer
         self.stats = stats
         self.progress = progress
-        self.done_ids = done_ids
+        self.rows = rows
         self.labels = labels
         self.n = ctx.job.sampling.n
         self.stop = StopFlag()
-        self.budget_rows = ctx.job.errors.budget * ctx.total_rows * self.n
+        if budget_rows is None:
+            budget_rows = ctx.job.errors.budget * ctx.total_rows * self.n
+        self.budget_rows = budget_rows
         self.budget_exceeded = False
         self.gave_up: str | None = None  # why the engine was given up on
         self.feed = RequestFeed(
@@ -148,9 +167,7 @@ class _Loop:
         )
 
     def _prepared(self) -> Iterator[PreparedRow]:
-        for row in self.ctx.input.rows():
-            if row.id in self.done_ids:
-                continue
+        for row in self.rows:
             self.writer.expect(row.seq)  # in input order, before the planner reorders
             yield self._prepare(row)
 
@@ -346,32 +363,115 @@ def _run_locked(
     llm,
     progress: Progress | None,
 ) -> RunOutcome:
-    check_run_dir(job, new_run)
-    check_fault_injection()
-    log_cluster_mode(job.batching)
-    session = new_session_id()
-    reconciled = False
-    if not new_run and RunDir(job.output.path).exists():
-        run_dir = RunDir(job.output.path)
-        reconcile(run_dir, job.fingerprint, session)
-        reconciled = True
-        if not retry_errors and _every_id_committed(run_dir, ctx):
-            # Nothing to do: the report is rewritten, no model is loaded.
-            log.info("every input row is already committed: nothing to run")
-            code, message = _conclude(run_dir, job, job_path, ctx, "done", _stored_labels(job))
-            return RunOutcome(code, run_dir.path, message)
+    session_id = new_session_id()
+    finished, reconciled = check_session(ctx, job, job_path, new_run, retry_errors, session_id)
+    if finished is not None:
+        return finished
     if llm is None:
         llm = load_llm(job)
     recording = start_routing_stats(job, llm)
     renderer = make_renderer(ctx, llm)
 
+    session = open_session(
+        ctx, job, job_path, new_run, retry_errors, session_id, reconciled, progress
+    )
+    run_dir, stats, progress, labels = (
+        session.run_dir,
+        session.stats,
+        session.progress,
+        session.labels,
+    )
+    writer = PartWriter(
+        run_dir,
+        schema_for_run(run_dir, ctx.schema),
+        job.output.rows_per_part,
+        model=getattr(llm, "model_name", job.model.path),
+        fingerprint=job.fingerprint,
+        session=session_id,
+        in_input_order=job.output.order == "input",
+    )
+    run_dir.save_expert_placement(getattr(llm, "expert_placement", None))
+    engine = supervise_engine(llm, job, run_dir, session_id, recording)
+    del llm  # the supervisor holds the one reference, so a restart frees the old engine
+    rows = (row for row in ctx.input.rows() if row.id not in session.done_ids)
+    loop = RunLoop(
+        ctx, engine, renderer, writer, stats, progress, rows, labels, run_dir.path / "plan"
+    )
+    progress.start(stats, title=f"batchgen run {job_path}")
+    started = time.time()
+    try:
+        state = loop.run()
+    finally:
+        progress.finish(stats)
+
+    if recording and engine.llm is not None:
+        save_routing_stats(run_dir, session_id, engine.llm.routing_stats())
+    outcome = conclude_session(session, job, job_path, ctx, state, loop.gave_up)
+    log.info("session took %.1fs", time.time() - started)
+    return outcome
+
+
+@dataclass
+class Session:
+    """One session of a run, whatever executes it: the run directory (reconciled, under
+    the caller's run lock), what earlier sessions committed, the counters and display,
+    and the cluster labels rows get."""
+
+    id: str
+    run_dir: RunDir
+    archived: str | None
+    done_ids: set[str]
+    stats: RunStats
+    progress: Progress
+    labels: object | None  # planner.ClusterLabels or task_clusters.AssignmentCursor
+
+
+def check_session(
+    ctx: JobContext,
+    job: JobSpec,
+    job_path: str | Path,
+    new_run: bool,
+    retry_errors: bool,
+    session_id: str,
+) -> tuple[RunOutcome | None, bool]:
+    """The checks before any engine is built: the run directory against the job (an
+    existing one reconciled), the fault-injection variable. Returns the outcome when every
+    row is committed already (the report rewritten, nothing run), and whether the run
+    directory was reconciled."""
+    check_run_dir(job, new_run)
+    check_fault_injection()
+    log_cluster_mode(job.batching)
+    if new_run or not RunDir(job.output.path).exists():
+        return None, False
+    run_dir = RunDir(job.output.path)
+    reconcile(run_dir, job.fingerprint, session_id)
+    if not retry_errors and _every_id_committed(run_dir, ctx):
+        # Nothing to do: the report is rewritten, no model is loaded.
+        log.info("every input row is already committed: nothing to run")
+        code, message = _conclude(run_dir, job, job_path, ctx, "done", _stored_labels(job))
+        return RunOutcome(code, run_dir.path, message), True
+    return None, True
+
+
+def open_session(
+    ctx: JobContext,
+    job: JobSpec,
+    job_path: str | Path,
+    new_run: bool,
+    retry_errors: bool,
+    session_id: str,
+    reconciled: bool,
+    progress: Progress | None,
+) -> Session:
+    """Open (or create) the run directory for a session that will run rows, take back
+    the error rows for --retry-errors, and cluster the input (`cluster: auto`; stored in
+    the run directory, so a resumed session reloads it)."""
     run_dir, archived = open_run_dir(job, new_run, job_path)
     if not reconciled:
-        reconcile(run_dir, job.fingerprint, session)
-    run_dir.save_expert_placement(getattr(llm, "expert_placement", None))
+        reconcile(run_dir, job.fingerprint, session_id)
     run_dir.success.unlink(missing_ok=True)
     if retry_errors:
-        retried = take_back_errors(run_dir, job.fingerprint, session)
+        retried = take_back_errors(run_dir, job.fingerprint, session_id)
         log.info("--retry-errors: %d rows will run again", retried)
     done_ids, _, errors_before = committed_ids(run_dir)
 
@@ -393,36 +493,23 @@ def _run_locked(
             job, ctx.input.rows(), run_dir.path / "clusters", progress.phase, ctx.total_rows
         )
         labels = clusters.cursor()
-    writer = PartWriter(
-        run_dir,
-        schema_for_run(run_dir, ctx.schema),
-        job.output.rows_per_part,
-        model=getattr(llm, "model_name", job.model.path),
-        fingerprint=job.fingerprint,
-        session=session,
-        in_input_order=job.output.order == "input",
-    )
-    engine = _supervise(llm, job, run_dir, session, recording)
-    del llm  # the supervisor holds the one reference, so a restart frees the old engine
-    loop = _Loop(
-        ctx, engine, renderer, writer, stats, progress, done_ids, labels, run_dir.path / "plan"
-    )
-    progress.start(stats, title=f"batchgen run {job_path}")
-    started = time.time()
-    try:
-        state = loop.run()
-    finally:
-        progress.finish(stats)
+    return Session(session_id, run_dir, archived, done_ids, stats, progress, labels)
 
-    if recording and engine.llm is not None:
-        save_routing_stats(run_dir, session, engine.llm.routing_stats())
-    code, message = _conclude(
-        run_dir, job, job_path, ctx, state, labels.names() if labels else None, loop.gave_up
-    )
-    if archived:
-        message += f" (previous run moved to {archived})"
-    log.info("session took %.1fs", time.time() - started)
-    return RunOutcome(code, run_dir.path, message, stats)
+
+def conclude_session(
+    session: Session,
+    job: JobSpec,
+    job_path: str | Path,
+    ctx: JobContext,
+    state: str,
+    gave_up: str | None = None,
+) -> RunOutcome:
+    """The session's outcome, counted from the manifest; writes the report."""
+    labels = session.labels.names() if session.labels is not None else None
+    code, message = _conclude(session.run_dir, job, job_path, ctx, state, labels, gave_up)
+    if session.archived:
+        message += f" (previous run moved to {session.archived})"
+    return RunOutcome(code, session.run_dir.path, message, session.stats)
 
 
 def check_fault_injection() -> None:
@@ -453,7 +540,7 @@ def _stored_labels(job: JobSpec) -> dict[int, str] | None:
     return None
 
 
-def _supervise(llm, job: JobSpec, run_dir: RunDir, session: str, recording: bool):
+def supervise_engine(llm, job: JobSpec, run_dir: RunDir, session: str, recording: bool):
     """The engine's supervisor: a rebuilt engine records routing like the first, and the
     routing an engine recorded is saved before it is dropped."""
     retired = 0

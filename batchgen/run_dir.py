@@ -79,9 +79,14 @@ class ManifestEntry:
     # part is verified by reading it whole instead.
     bytes: int | None = None
     checksum: str | None = None  # "sha256:<hex>"
+    # The Ray worker that wrote the part (None: the local executor).
+    worker: str | None = None
 
     def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self), separators=(",", ":"))
+        fields = dataclasses.asdict(self)
+        if fields["worker"] is None:  # local parts keep the lines they always had
+            del fields["worker"]
+        return json.dumps(fields, separators=(",", ":"))
 
     @classmethod
     def from_dict(cls, data: dict) -> ManifestEntry:

@@ -48,6 +48,27 @@ class RunStats:
         self.completion_tokens += c
         if results and results[0].cluster_id is not None:
             self.current_cluster = results[0].cluster_id
+        self._add_to_window(now, p, c)
+
+    def record_block(
+        self,
+        rows: int,
+        ok: int,
+        error: int,
+        prompt_tokens: int,
+        completion_tokens: int,
+        finish_reasons: dict[str, int],
+    ) -> None:
+        """Count the rows of a block another process ran (a Ray worker), as one event."""
+        self.rows_done += rows
+        self.ok += ok
+        self.error += error
+        self.prompt_tokens += prompt_tokens
+        self.completion_tokens += completion_tokens
+        self.finish_reasons.update(finish_reasons)
+        self._add_to_window(time.time(), prompt_tokens, completion_tokens)
+
+    def _add_to_window(self, now: float, p: int, c: int) -> None:
         # One bucket per second keeps the window small however fast rows finish.
         second = int(now)
         if self._window and self._window[-1][0] == second:

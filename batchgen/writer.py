@@ -119,6 +119,30 @@ def entry_for(
     )
 
 
+def write_part(
+    table: pa.Table,
+    name: str,
+    fingerprint: str,
+    session: str,
+    results_dir: Path,
+    errors_dir: Path,
+    replaces: str | None = None,
+    worker: str | None = None,
+) -> ManifestEntry:
+    """Write `table` durably as results_dir/<name> (and its error rows as
+    errors_dir/<name>) and return its manifest line, not yet appended: the part counts
+    only once its line is. Raises PartWriteError."""
+    entry = entry_for(table, name, session, replaces)
+    entry.worker = worker
+    metadata = {**(table.schema.metadata or {}), **part_metadata(entry, fingerprint)}
+    entry.bytes, entry.checksum = write_part_file(
+        table.replace_schema_metadata(metadata), results_dir / name
+    )
+    if entry.error:
+        write_error_rows(errors_dir, table, name)
+    return entry
+
+
 def commit_part(
     run_dir: RunDir,
     table: pa.Table,
@@ -129,13 +153,7 @@ def commit_part(
 ) -> ManifestEntry:
     """Write `table` as results/<name> (and its error rows as errors/<name>), then append
     its manifest line: the part counts from that line on. Raises PartWriteError."""
-    entry = entry_for(table, name, session, replaces)
-    metadata = {**(table.schema.metadata or {}), **part_metadata(entry, fingerprint)}
-    entry.bytes, entry.checksum = write_part_file(
-        table.replace_schema_metadata(metadata), run_dir.results / name
-    )
-    if entry.error:
-        write_error_mirror(run_dir, table, name)
+    entry = write_part(table, name, fingerprint, session, run_dir.results, run_dir.errors, replaces)
     try:
         run_dir.append_manifest(entry)
     except OSError as exc:
@@ -146,9 +164,38 @@ def commit_part(
 def write_error_mirror(run_dir: RunDir, table: pa.Table, name: str) -> None:
     """errors/<name>: the error rows of part <name>, a copy for a quick look (never read
     back as results, so without the part's own metadata)."""
+    write_error_rows(run_dir.errors, table, name)
+
+
+def write_error_rows(errors_dir: Path, table: pa.Table, name: str) -> None:
     errors = table.filter(pc.not_equal(table.column("status"), "ok"))
     kept = {k: v for k, v in (errors.schema.metadata or {}).items() if k != METADATA_KEY}
-    write_part_file(errors.replace_schema_metadata(kept), run_dir.errors / name)
+    write_part_file(errors.replace_schema_metadata(kept), errors_dir / name)
+
+
+def results_table(
+    rows: list[ResultRow], schema: pa.Schema, model: str, fingerprint: str
+) -> pa.Table:
+    """Result rows as a table of the run's schema (carried columns by their output name)."""
+    columns = {
+        "id": typed_ids([r.id for r in rows], schema.field("id").type),
+        "n_index": [r.n_index for r in rows],
+        "status": [r.status for r in rows],
+        "text": [r.text for r in rows],
+        "finish_reason": [r.finish_reason for r in rows],
+        "prompt_tokens": [r.prompt_tokens for r in rows],
+        "completion_tokens": [r.completion_tokens for r in rows],
+        "cluster_id": [r.cluster_id for r in rows],
+        "error": [r.error for r in rows],
+        "error_type": [r.error_type for r in rows],
+        "seed": [r.seed for r in rows],
+        "model": [model] * len(rows),
+        "job_fingerprint": [fingerprint] * len(rows),
+    }
+    for name in schema.names:
+        if name not in RESERVED_COLUMNS:
+            columns[name] = [r.carry.get(name) for r in rows]
+    return pa.Table.from_pydict(columns, schema=schema)
 
 
 class PartWriter:
@@ -179,7 +226,6 @@ class PartWriter:
         self.in_input_order = in_input_order
         self.on_commit = on_commit
         self.buffer: list[ResultRow] = []
-        self.carry_names = [f.name for f in schema if f.name not in RESERVED_COLUMNS]
         self._expected: deque[int] = deque()
         self._held: list[tuple[int, int, ResultRow]] = []  # heap of (seq, n_index, row)
         self._next_part = run_dir.next_part_number()
@@ -244,24 +290,7 @@ class PartWriter:
         return rows
 
     def _table(self, rows: list[ResultRow]) -> pa.Table:
-        columns = {
-            "id": typed_ids([r.id for r in rows], self.schema.field("id").type),
-            "n_index": [r.n_index for r in rows],
-            "status": [r.status for r in rows],
-            "text": [r.text for r in rows],
-            "finish_reason": [r.finish_reason for r in rows],
-            "prompt_tokens": [r.prompt_tokens for r in rows],
-            "completion_tokens": [r.completion_tokens for r in rows],
-            "cluster_id": [r.cluster_id for r in rows],
-            "error": [r.error for r in rows],
-            "error_type": [r.error_type for r in rows],
-            "seed": [r.seed for r in rows],
-            "model": [self.model] * len(rows),
-            "job_fingerprint": [self.fingerprint] * len(rows),
-        }
-        for name in self.carry_names:
-            columns[name] = [r.carry.get(name) for r in rows]
-        return pa.Table.from_pydict(columns, schema=self.schema)
+        return results_table(rows, self.schema, self.model, self.fingerprint)
 
     def _write_part(self, rows: list[ResultRow]) -> None:
         name = f"part-{self._next_part:05d}.parquet"

@@ -12,12 +12,15 @@ import click
 
 import batchgen.bench as bench_pkg
 
+# Modules whose command is not their name: `ray` would shadow the package of that name.
+_COMMAND_NAMES = {"ray_executor": "ray"}
+
 
 def _modules() -> dict[str, str]:
     """Command name -> module name, for every bench module that is not a helper."""
     helpers = {"common", "tiny_llama", "v4_roofline"}
     return {
-        info.name.replace("_", "-"): info.name
+        _COMMAND_NAMES.get(info.name, info.name.replace("_", "-")): info.name
         for info in pkgutil.iter_modules(bench_pkg.__path__)
         if info.name not in helpers
     }

@@ -44,7 +44,19 @@ def refuse(exc: JobError) -> None:
     show_default=True,
     help="Seconds between JSON progress lines when not on a terminal.",
 )
-def run_cmd(job_file: str, new_run: bool, retry_errors: bool, progress_interval: float) -> None:
+@click.option(
+    "--executor",
+    type=click.Choice(["local", "ray"]),
+    default=None,
+    help="Where the rows run (default: the job file's executor.type, else local).",
+)
+def run_cmd(
+    job_file: str,
+    new_run: bool,
+    retry_errors: bool,
+    progress_interval: float,
+    executor: str | None,
+) -> None:
     """Run JOB_FILE; the same command after a crash resumes where it stopped."""
     from batchgen.progress import Progress
     from batchgen.run import EXIT_INTERRUPTED, run_job
@@ -54,10 +66,21 @@ def run_cmd(job_file: str, new_run: bool, retry_errors: bool, progress_interval:
     setup_logging()
     try:
         job = load_job(job_file)
+        if executor is not None:
+            job = job.model_copy(
+                update={"executor": job.executor.model_copy(update={"type": executor})}
+            )
         progress = Progress(RunDir(job.output.path).progress_file, interval=progress_interval)
-        outcome = run_job(
-            job, job_file, new_run=new_run, retry_errors=retry_errors, progress=progress
-        )
+        if job.executor.type == "ray":
+            from batchgen.executors.ray_executor import run_job_on_ray
+
+            outcome = run_job_on_ray(
+                job, job_file, new_run=new_run, retry_errors=retry_errors, progress=progress
+            )
+        else:
+            outcome = run_job(
+                job, job_file, new_run=new_run, retry_errors=retry_errors, progress=progress
+            )
     except JobError as exc:
         refuse(exc)
     except (PartWriteError, OSError) as exc:

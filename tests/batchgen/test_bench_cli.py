@@ -26,6 +26,7 @@ BENCHMARKS = {
     "kernels",
     "mla-decode",
     "pipeline-memory",
+    "ray",
     "routing",
     "step-tune",
     "v4-kernels",

@@ -45,11 +45,14 @@ FIELDS = [
     ("batching", "batch_invariant", bool),
     ("output", "rows_per_part", int),
     ("errors", "budget", float),
+    ("executor", "num_workers", int),
+    ("executor", "resources_per_worker", dict),
 ]
 WRONG = {
     int: [True, "4", 4.0, [4]],
     float: [True, "0.5", "1e-3"],
     bool: [1, "true", "yes", 0.0],
+    dict: [True, "GPU: 1", [1]],
 }
 
 

@@ -1,0 +1,100 @@
+"""Input blocks: the unit of work of a distributed run.
+
+A block is a slice of one row group of one input file, at most `block_rows` rows: a
+worker reads it alone (no machine reads the whole input) and writes its results as one
+part. The driver plans the blocks from the files' row-group sizes, reading no data for a
+fresh run; on a resume it reads each row group's ids to leave the committed rows out, and
+drops a block whose rows are all committed before any work is sent out.
+
+Each block gets the name of its part in results/ when it is planned, in input order, so
+`order: input` holds across parts read in name order.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from batchgen.reader import ParquetInput
+from batchgen.rows import InputRow
+
+
+@dataclass(frozen=True)
+class InputBlock:
+    index: int  # in this session's plan: a retried block's second output is told apart
+    part: str  # the name of its part in results/
+    file: int  # into ParquetInput.files
+    row_group: int
+    offset: int  # of its first row in the row group
+    count: int
+    first_seq: int  # the input position of its first row
+    skip_ids: tuple[str, ...] = ()  # committed by an earlier session
+
+    def to_json(self) -> str:
+        return json.dumps(dataclasses.asdict(self))
+
+    @classmethod
+    def from_json(cls, text: str) -> InputBlock:
+        data = json.loads(text)
+        return cls(**{**data, "skip_ids": tuple(data["skip_ids"])})
+
+    def rows(self, source: ParquetInput) -> list[InputRow]:
+        """The block's rows that still have to run, in input order."""
+        skip = set(self.skip_ids)
+        rows = source.slice_rows(self.file, self.row_group, self.offset, self.count, self.first_seq)
+        return [row for row in rows if row.id not in skip]
+
+
+def plan_blocks(
+    source: ParquetInput, done_ids: set[str], block_rows: int, first_part_number: int
+) -> Iterator[InputBlock]:
+    """The blocks of every input row not in `done_ids`, in input order."""
+    index = 0
+    seq = 0
+    for file_index, path in enumerate(source.files):
+        pf = pq.ParquetFile(path)
+        for group in range(pf.num_row_groups):
+            size = pf.metadata.row_group(group).num_rows
+            ids = source.row_group_ids(file_index, group) if done_ids else None
+            for offset in range(0, size, block_rows):
+                count = min(block_rows, size - offset)
+                skip: tuple[str, ...] = ()
+                if ids is not None:
+                    skip = tuple(i for i in ids[offset : offset + count] if i in done_ids)
+                if len(skip) < count:
+                    yield InputBlock(
+                        index=index,
+                        part=f"part-{first_part_number + index:05d}.parquet",
+                        file=file_index,
+                        row_group=group,
+                        offset=offset,
+                        count=count,
+                        first_seq=seq + offset,
+                        skip_ids=skip,
+                    )
+                    index += 1
+            seq += size
+
+
+def read_row_range(path: Path, start: int, stop: int, columns: list[str]) -> pa.Table:
+    """Rows [start, stop) of a Parquet file, reading only the row groups that hold them."""
+    pf = pq.ParquetFile(path)
+    pieces = []
+    first = 0
+    for group in range(pf.num_row_groups):
+        size = pf.metadata.row_group(group).num_rows
+        if first < stop and first + size > start:
+            lo, hi = max(start - first, 0), min(stop - first, size)
+            pieces.append(pf.read_row_group(group, columns=columns).slice(lo, hi - lo))
+        first += size
+        if first >= stop:
+            break
+    if not pieces:
+        return pf.schema_arrow.empty_table().select(columns)
+    return pa.concat_tables(pieces)

@@ -1,0 +1,259 @@
+"""`executor: {type: ray}`: a job's rows run on a Ray cluster, one engine per worker
+actor, into the run directory the local executor uses (a path every node sees).
+
+The driver (the process that ran `batchgen run`) does what the local executor does
+before and after generation: the run lock, the run directory check, --retry-errors,
+clustering (stored in the run directory), the report. In between it plans the input as
+blocks (batchgen.executors.blocks) and hands them to a Ray Data actor pool
+(`map_batches` over a callable class, `concurrency` = num_workers); each actor builds
+the engine once and runs block after block through the local executor's RunLoop, writing
+each block's part under its own staging directory. The driver commits each part as it
+comes back: the only writer of _manifest.jsonl (batchgen.executors.staging).
+
+Faults: an actor that dies (killed, out of memory, node lost) is restarted by Ray and
+its block runs again (Ray Data retries the task); the copy of a block the driver sees
+second is set aside. A killed driver loses its cluster's work in flight; the same
+command resumes from the manifest, like the local executor.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import time
+from pathlib import Path
+
+from batchgen.executors.blocks import InputBlock, plan_blocks
+from batchgen.executors.ray_worker import BlockWorker, WorkerLabels
+from batchgen.executors.staging import commit_staged, set_aside, set_aside_unrecorded
+from batchgen.job_context import JobContext, open_job
+from batchgen.job_spec import ExecutorSpec, JobError, JobSpec
+from batchgen.part_check import PartDamaged
+from batchgen.planner import ClusterLabels, cluster_mode
+from batchgen.progress import Progress
+from batchgen.resume import schema_for_run
+from batchgen.run import (
+    EXIT_INTERRUPTED,
+    RunOutcome,
+    Session,
+    check_session,
+    conclude_session,
+    open_session,
+)
+from batchgen.run_dir import ManifestEntry, new_session_id
+from batchgen.run_lock import RunLock
+from batchgen.stop_flag import StopFlag
+
+log = logging.getLogger(__name__)
+
+INSTALL_RAY = "pip install -e '.[ray]'"
+
+
+def import_ray():
+    """Ray, or JobError (exit 2) naming the install command."""
+    try:
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError:
+        raise JobError(
+            f"executor.type: ray needs Ray Data, which is not installed; install it with "
+            f"`{INSTALL_RAY}`"
+        ) from None
+    return ray
+
+
+def run_job_on_ray(
+    job: JobSpec,
+    job_path: str | Path,
+    *,
+    new_run: bool = False,
+    retry_errors: bool = False,
+    progress: Progress | None = None,
+) -> RunOutcome:
+    """`run_job` for `executor: ray` (same exit codes and errors)."""
+    ray = import_ray()
+    ctx = open_job(job)
+    stop = StopFlag()
+    with RunLock(job.output.path), stop.installed(graceful=False):
+        try:
+            return _run_locked(ray, ctx, job, job_path, new_run, retry_errors, progress)
+        except KeyboardInterrupt:
+            return RunOutcome(
+                EXIT_INTERRUPTED,
+                Path(job.output.path),
+                f"interrupted; committed rows are kept; resume with `batchgen run {job_path}`",
+            )
+
+
+def _run_locked(ray, ctx, job, job_path, new_run, retry_errors, progress) -> RunOutcome:
+    session_id = new_session_id()
+    finished, reconciled = check_session(ctx, job, job_path, new_run, retry_errors, session_id)
+    if finished is not None:
+        return finished
+    # Connected before the run directory is opened: a cluster that cannot be reached is
+    # refused with nothing written.
+    started_ray = _connect(ray, job.executor)
+    try:
+        return _run_session(
+            ray, ctx, job, job_path, new_run, retry_errors, progress, session_id, reconciled
+        )
+    finally:
+        if started_ray:
+            ray.shutdown()
+
+
+def _run_session(
+    ray, ctx, job, job_path, new_run, retry_errors, progress, session_id, reconciled
+) -> RunOutcome:
+    session = open_session(
+        ctx, job, job_path, new_run, retry_errors, session_id, reconciled, progress
+    )
+    run_dir = session.run_dir
+    set_aside_unrecorded(run_dir, session_id)
+    labels = _worker_labels(job, ctx, session)
+    # A block is one part: rows_per_part result rows, all n completions of a row together.
+    block_rows = max(1, job.output.rows_per_part // job.sampling.n)
+    blocks = list(plan_blocks(ctx.input, session.done_ids, block_rows, run_dir.next_part_number()))
+    log.info(
+        "executor: ray - %d blocks of up to %d rows on %d workers",
+        len(blocks),
+        block_rows,
+        job.executor.num_workers,
+    )
+    session.progress.start(session.stats, title=f"batchgen run {job_path} (ray)")
+    started = time.time()
+    try:
+        state, gave_up = _drive(ray, ctx, job, session, labels, blocks)
+    finally:
+        session.progress.finish(session.stats)
+        set_aside_unrecorded(run_dir, session_id)
+    outcome = conclude_session(session, job, job_path, ctx, state, gave_up)
+    log.info("session took %.1fs", time.time() - started)
+    return outcome
+
+
+def _worker_labels(job: JobSpec, ctx: JobContext, session: Session) -> WorkerLabels:
+    mode = cluster_mode(job.batching)
+    if mode == "column":
+        # Ids in input order over the whole input, as the local executor gives them.
+        labels: ClusterLabels = session.labels
+        for row in ctx.input.rows():
+            labels.assign(row)
+        return WorkerLabels("column", column=labels.column, ids=dict(labels.ids))
+    if mode == "auto":
+        return WorkerLabels("auto", assignments=str(session.labels.path))
+    return WorkerLabels("off")
+
+
+def _connect(ray, spec: ExecutorSpec) -> bool:
+    """Connect to the cluster (an address; none: a running one, else a new local one).
+    True when this call started Ray here, so the driver shuts it down at the end."""
+    if ray.is_initialized():
+        return False
+    try:
+        ray.init(address=spec.address, logging_level=logging.WARNING, log_to_driver=False)
+    except (ConnectionError, RuntimeError, ValueError) as exc:
+        where = spec.address or "RAY_ADDRESS / a running cluster / a new local one"
+        message = " ".join(str(exc).split())[:300]
+        raise JobError(
+            f"executor.address: cannot start or reach Ray at {where}: {message}"
+        ) from None
+    return True
+
+
+def _actor_options(spec: ExecutorSpec) -> dict:
+    resources = dict(spec.resources_per_worker or {"CPU": 1})
+    options = {"num_cpus": resources.pop("CPU", 0), "num_gpus": resources.pop("GPU", 0)}
+    if resources:
+        options["resources"] = resources
+    return options
+
+
+def _drive(ray, ctx, job, session: Session, labels: WorkerLabels, blocks) -> tuple[str, str | None]:
+    """Run every block; commit each part as it comes back. Returns the session's state
+    ("done", "budget", "interrupted", "engine_failed") and why the engine was given up."""
+    if not blocks:
+        return "done", None
+    spec = job.executor
+    # The driver's own progress lines and display count the run; Ray Data's bars would
+    # interleave with them.
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    options = _actor_options(spec)
+    threads = int(options["num_cpus"]) or None
+    dataset = ray.data.from_items(
+        [{"block": block.to_json()} for block in blocks], override_num_blocks=len(blocks)
+    ).map_batches(
+        BlockWorker,
+        fn_constructor_kwargs={
+            "job": job,
+            "run_path": str(session.run_dir.path.resolve()),
+            "session": session.id,
+            "schema": schema_for_run(session.run_dir, ctx.schema),
+            "labels": labels,
+            "threads": threads,
+        },
+        batch_size=1,
+        compute=ray.data.ActorPoolStrategy(size=spec.num_workers),
+        **options,
+    )
+    budget = job.errors.budget * ctx.total_rows * job.sampling.n
+    stats, stop = session.stats, StopFlag()
+    committed: set[int] = set()
+    with stop.installed(graceful=True):
+        try:
+            for row in dataset.iter_rows():
+                staged = json.loads(row["staged"])
+                state = _commit(session, staged, committed, blocks)
+                stats.engine_restarts += staged["engine_restarts"]
+                session.progress.update(stats)
+                if state == "engine_failed":
+                    return state, staged["gave_up"]
+                if state != "done":
+                    return "interrupted", None
+                if stats.errors_total > budget:
+                    return "budget", None
+                if stop.requested:
+                    return "interrupted", None
+        except KeyboardInterrupt:
+            return "interrupted", None
+        except ray.exceptions.RayError as exc:
+            message = " ".join(str(exc).split())[:500]
+            log.error("the Ray job failed: %s", message)
+            return "engine_failed", f"the Ray job failed: {message}"
+    return "done", None
+
+
+def _commit(session: Session, staged: dict, committed: set[int], blocks) -> str:
+    """Commit one worker's part (once per block); returns the worker loop's state."""
+    block: InputBlock = blocks[staged["block"]]
+    worker, run_dir = staged["worker"], session.run_dir
+    if staged["block"] in committed:
+        # A retried task's second output: the first copy counts.
+        if staged["entry"] is not None:
+            reason = f"a second copy of block {block.index} (a retried Ray task)"
+            set_aside(run_dir, worker, block.part, reason, session.id)
+        return "done"
+    committed.add(staged["block"])
+    if staged["entry"] is not None:
+        entry = ManifestEntry.from_dict(staged["entry"])
+        try:
+            commit_staged(run_dir, worker, entry)
+        except PartDamaged as exc:
+            log.error(
+                "the part worker %s wrote for block %d is damaged (%s); its rows run again "
+                "on resume",
+                worker,
+                block.index,
+                exc,
+            )
+            set_aside(run_dir, worker, block.part, f"damaged in staging: {exc}", session.id)
+            return "interrupted"
+    session.stats.record_block(
+        staged["rows"],
+        staged["ok"],
+        staged["error"],
+        staged["prompt_tokens"],
+        staged["completion_tokens"],
+        staged["finish_reasons"],
+    )
+    return staged["state"]

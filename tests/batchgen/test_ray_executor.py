@@ -1,0 +1,168 @@
+"""The Ray executor on a local Ray cluster started here (2 CPUs, 2 workers, the tiny
+model): every id exactly once with texts equal to the local executor's, greedy and
+seeded; a worker killed mid-run (its process, by pid) and the job still completes exactly
+once; the driver killed with kill -9 and the rerun completes exactly once.
+
+One cluster serves the module; each run starts its own actor pool."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from batchgen.job_spec import load_job
+from batchgen.run import run_job
+from tests.batchgen.run_process import int_id_rows, job_file, manifest, results, start
+
+ray = pytest.importorskip("ray")
+
+pytestmark = [pytest.mark.ray, pytest.mark.timeout(300)]
+
+ROWS = 60
+RAY_EXECUTOR = {"type": "ray", "num_workers": 2, "resources_per_worker": {"CPU": 1}}
+
+
+@pytest.fixture(scope="module")
+def ray_cluster():
+    # address "local": a new cluster even when another one on this machine is (or was) running
+    ray.init(
+        address="local",
+        num_cpus=2,
+        include_dashboard=False,
+        logging_level="WARNING",
+        log_to_driver=False,
+    )
+    ray.data.DataContext.get_current().enable_progress_bars = False
+    yield ray.get_runtime_context().gcs_address
+    ray.shutdown()
+
+
+def _jobs(model_dir: Path, root: Path, rows=None, **sections) -> tuple[Path, Path]:
+    """The same job twice, local and on Ray, over one input, in their own run dirs."""
+    rows = rows or int_id_rows(ROWS)
+    local = job_file(model_dir, _dir(root / "local"), rows, root / "local" / "run", **sections)
+    on_ray = job_file(
+        model_dir,
+        _dir(root / "ray"),
+        rows,
+        root / "ray" / "run",
+        executor=RAY_EXECUTOR,
+        **sections,
+    )
+    return local, on_ray
+
+
+def _dir(path: Path) -> Path:
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _run_in_process(job_path: Path):
+    job = load_job(job_path)
+    if job.executor.type == "ray":
+        from batchgen.executors.ray_executor import run_job_on_ray
+
+        return run_job_on_ray(job, job_path)
+    return run_job(job, job_path)
+
+
+def _assert_exactly_once_and_equal(run_path: Path, local_run: Path, n: int = 1) -> None:
+    got = results(run_path).sort("id", "n_index")
+    want = results(local_run).sort("id", "n_index")
+    assert got.height == ROWS * n
+    assert got.select("id", "n_index").n_unique() == ROWS * n
+    assert (got["status"] == "ok").all()
+    assert got["text"].to_list() == want["text"].to_list()
+    assert got["seed"].to_list() == want["seed"].to_list()
+    assert got["cluster_id"].to_list() == want["cluster_id"].to_list()
+    # Every live part's ids are its own: nothing is counted twice in the manifest.
+    lines = manifest(run_path)
+    assert sum(e["rows"] for e in lines) == ROWS * n
+    assert not (run_path / "staging").exists()
+
+
+def test_ray_matches_local_seeded(ray_cluster, tiny_model_dir, tmp_path):
+    sampling = {"temperature": 0.9, "top_p": 0.95, "seed": 11, "n": 2, "max_tokens": 6}
+    batching = {"cluster": "auto", "num_clusters": 3}
+    local, on_ray = _jobs(tiny_model_dir, tmp_path, sampling=sampling, batching=batching)
+    assert _run_in_process(local).exit_code == 0
+    outcome = _run_in_process(on_ray)
+    assert outcome.exit_code == 0, outcome.message
+    _assert_exactly_once_and_equal(tmp_path / "ray" / "run", tmp_path / "local" / "run", n=2)
+    clusters = results(tmp_path / "ray" / "run")["cluster_id"]
+    assert clusters.null_count() == 0 and clusters.n_unique() > 1
+    lines = manifest(tmp_path / "ray" / "run")
+    assert all(e["worker"] for e in lines)  # each part names the worker that wrote it
+    report = json.loads((tmp_path / "ray" / "run" / "report.json").read_text())
+    assert report["rows_committed"] == ROWS
+    assert sum(w["rows"] for w in report["workers"].values()) == ROWS * 2
+
+
+def _kill_a_worker_after_first_part(run_path: Path, killed: list) -> None:
+    deadline = time.time() + 200
+    while not manifest(run_path) and time.time() < deadline:
+        time.sleep(0.05)
+    for path in sorted((run_path / "workers").glob("*.json")):
+        pid = json.loads(path.read_text())["pid"]
+        if pid != os.getpid():
+            os.kill(pid, signal.SIGKILL)
+            killed.append((pid, len(manifest(run_path))))
+            return
+
+
+def test_worker_killed_mid_run_completes_exactly_once(ray_cluster, tiny_model_dir, tmp_path):
+    local, on_ray = _jobs(tiny_model_dir, tmp_path)
+    assert _run_in_process(local).exit_code == 0
+    run_path = tmp_path / "ray" / "run"
+    killed: list[tuple[int, int]] = []  # (pid, parts committed when it was killed)
+    killer = threading.Thread(target=_kill_a_worker_after_first_part, args=(run_path, killed))
+    killer.start()
+    outcome = _run_in_process(on_ray)
+    killer.join()
+    assert killed, "no worker was found to kill"
+    assert outcome.exit_code == 0, outcome.message
+    blocks = ROWS // 10
+    assert killed[0][1] < blocks  # it was mid-run: parts were still to come
+    _assert_exactly_once_and_equal(run_path, tmp_path / "local" / "run")
+
+
+def test_driver_killed_then_rerun_completes_exactly_once(ray_cluster, tiny_model_dir, tmp_path):
+    rows = int_id_rows(ROWS, task=lambda i: f"task-{i % 3}")
+    local, on_ray = _jobs(tiny_model_dir, tmp_path, rows, batching={"cluster": "task"})
+    run_path = tmp_path / "ray" / "run"
+    # The driver is its own process connected to the test's cluster, so it can be killed.
+    raw = on_ray.read_text().replace("type: ray", f"type: ray\n  address: '{ray_cluster}'")
+    on_ray.write_text(raw)
+    assert load_job(on_ray).executor.address == ray_cluster
+    driver = start(on_ray)
+    try:
+        deadline = time.time() + 200
+        while not manifest(run_path):
+            assert driver.poll() is None, driver.stdout.read().decode()
+            assert time.time() < deadline, "the driver committed no part in time"
+            time.sleep(0.05)
+        driver.send_signal(signal.SIGKILL)
+        driver.wait(timeout=30)
+    finally:
+        if driver.poll() is None:
+            driver.kill()
+    committed_before = {e["part"]: e["checksum"] for e in manifest(run_path)}
+    assert 0 < sum(e["rows"] for e in manifest(run_path)) < ROWS
+
+    assert _run_in_process(local).exit_code == 0
+    outcome = _run_in_process(on_ray)
+    assert outcome.exit_code == 0, outcome.message
+    _assert_exactly_once_and_equal(run_path, tmp_path / "local" / "run")
+    # What the killed driver committed stands, as committed.
+    after = {e["part"]: e["checksum"] for e in manifest(run_path)}
+    assert all(after.get(part) == checksum for part, checksum in committed_before.items())
+    # Parts its workers staged but it never recorded were set aside, not counted.
+    for note in (run_path / "quarantine").glob("*/reasons.jsonl"):
+        for line in note.read_text().splitlines():
+            assert "no driver recorded" in json.loads(line)["reason"]
