@@ -92,6 +92,11 @@ class EngineConfig:
     # CPU: attention (and MLA's form choice) whose result for a row does not depend on
     # the rest of its step (docs/batch-invariance.md). False takes the fused forms.
     batch_invariant: bool = True
+    # Full KV blocks are shared by content between sequences whose tokens start the same
+    # way (engine/prefix_cache.py): a shared prompt prefix, and n > 1 completions, are
+    # computed once. Outputs are the same either way. Models with fixed per-sequence
+    # state (DeepSeek-V4) run without it (docs/prefix-caching.md says why).
+    enable_prefix_caching: bool = True
     cuda: CudaTuning = field(default_factory=CudaTuning)
 
     @classmethod
