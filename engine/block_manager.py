@@ -179,6 +179,20 @@ class BlockManager:
         # (or read back from the prefix cache, when its blocks are still indexed).
         seq.num_computed = 0
 
+    def replace_prefix_cache(self, cache: PrefixCache | None) -> None:
+        """Start over with `cache` (None: no prefix caching) while no sequence holds a
+        block: every indexed block goes back to the free list."""
+        if any(self.refs):
+            raise RuntimeError("the prefix cache can be replaced only while no sequence runs")
+        if cache is not None and cache.block_size != self.block_size:
+            raise ValueError(
+                f"prefix cache of {cache.block_size}-token blocks, not {self.block_size}"
+            )
+        if self.cache is not None:
+            self.free.extend(self.cache.unused)
+        self.cache = cache
+        self.computing.clear()
+
     @property
     def num_free(self) -> int:
         """Blocks a sequence can be given: free ones and unused indexed ones."""

@@ -51,6 +51,13 @@ class LLM:
         resolved): after `stream` raises, the requests the failure concerns."""
         return self.engine.requests_in_step
 
+    def reset_prefix_cache(self, enabled: bool | None = None) -> None:
+        """Forget every cached prefix (between jobs: the next one starts cold). `enabled`
+        turns caching on or off from now on (None: as it is); only while nothing runs."""
+        runner = self.engine.runner
+        on = runner.blocks.caches_prefixes if enabled is None else enabled
+        runner.blocks.replace_prefix_cache(runner.new_prefix_cache() if on else None)
+
     def record_routing(self, on: bool = True) -> bool:
         """Start (or stop) recording routing statistics; False for models without routed
         experts. On a GPU, recording steps run eagerly instead of replaying graphs."""

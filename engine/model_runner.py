@@ -85,7 +85,7 @@ class ModelRunner:
             self.block_size,
             int(decode_graphs),
             num_state_slots,
-            prefix_cache=self._prefix_cache(),
+            prefix_cache=self.new_prefix_cache() if config.enable_prefix_caching else None,
         )
         if decode_graphs:  # decode steps replay CUDA graphs (engine/cuda_graph_runner.py)
             from engine.cuda_graph_runner import CudaGraphRunner
@@ -106,14 +106,11 @@ class ModelRunner:
         """KV cache blocks sequences can own (the graphs' scratch block not counted)."""
         return self.blocks.num_blocks
 
-    def _prefix_cache(self) -> PrefixCache | None:
-        """The index of shareable KV blocks, when prefix caching is on and the model's
-        whole decode state is its paged caches. A model with fixed per-sequence state
-        (DeepSeek-V4's window ring and compression pooling rows) runs without: a sequence
-        starting after a cached prefix would need that state as of the prefix's end,
-        which no block holds."""
-        if not self.config.enable_prefix_caching:
-            return None
+    def new_prefix_cache(self) -> PrefixCache | None:
+        """An empty index of shareable KV blocks, where the model's whole decode state is
+        its paged caches. A model with fixed per-sequence state (DeepSeek-V4's window ring
+        and compression pooling rows) runs without (None): a sequence starting after a
+        cached prefix would need that state as of the prefix's end, which no block holds."""
         if self.model.state_specs():
             log.info(
                 "prefix caching off: %s keeps per-sequence state outside its paged cache "

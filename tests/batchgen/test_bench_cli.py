@@ -25,6 +25,7 @@ BENCHMARKS = {
     "kernels",
     "mla-decode",
     "pipeline-memory",
+    "prefix-cache",
     "routing",
     "step-tune",
     "v4-kernels",

@@ -237,3 +237,20 @@ def test_a_prefix_computed_in_another_batch_gives_the_same_bits(models, family, 
     assert torch.equal(got[-1], want[-1])
     for cache, expected in zip(shared.caches, want_kv):
         assert torch.equal(cache[shared.blocks[2000][:3]], expected)
+
+
+def test_reset_prefix_cache_starts_cold_and_switches_caching(models):
+    llm = LLM(str(models["llama"]), device="cpu")
+    prompt = list(range(2, 60))
+    greedy = SamplingParams(temperature=0, max_tokens=4)
+    first = llm.generate([prompt], greedy)[0]
+    assert llm.generate([prompt], greedy)[0].cached_prompt_tokens == 48  # warm
+    blocks = llm.engine.runner.blocks
+    llm.reset_prefix_cache()
+    assert not blocks.cache.block_of and blocks.num_free == llm.engine.runner.num_blocks
+    assert llm.generate([prompt], greedy)[0].cached_prompt_tokens == 0  # cold
+    llm.reset_prefix_cache(enabled=False)
+    again = llm.generate([prompt, prompt], greedy)
+    assert blocks.cache is None and [o.cached_prompt_tokens for o in again] == [0, 0]
+    assert again[1].outputs[0].token_ids == first.outputs[0].token_ids
+    assert sorted(blocks.free) == list(range(llm.engine.runner.num_blocks))
