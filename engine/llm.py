@@ -21,7 +21,7 @@ class LLM:
 
     `model` is an alias, a Hugging Face directory or a GGUF file. `options` are the
     fields of `EngineConfig` (device, dtype, batch limits, KV memory, seed, speculative
-    decoding, scheduling, batch invariance) and of `CudaTuning` (the CUDA backend's speed
+    decoding, scheduling, batch invariance, prefix caching) and of `CudaTuning` (the CUDA backend's speed
     choices), each documented where it is declared in engine/config.py. `device` "auto"
     takes the GPU when there is one; `dtype` "auto" is float32 on the CPU and bfloat16 on
     a GPU (quantized weights stay in their stored format either way). An unknown option
