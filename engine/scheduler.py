@@ -156,8 +156,9 @@ class Scheduler:
 
         # Then admit waiting sequences while there is room, preferring the group that
         # dominates the running batch (a task cluster routes to overlapping experts).
+        held_back: set[int] = set()  # waiting for a prefix: admissions only add to those
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self._next_waiting()
+            seq = self._next_waiting(held_back)
             if seq is None:
                 break  # each candidate waits for a prefix a running sequence is computing
             prefix = self.blocks.cached_prefix(seq)
@@ -179,10 +180,11 @@ class Scheduler:
         """Cache positions the sequence must own to run n more rows this step."""
         return seq.num_computed + n + self.lookahead_slots
 
-    def _next_waiting(self) -> Sequence | None:
+    def _next_waiting(self, held_back: set[int]) -> Sequence | None:
         """The waiting sequence to admit next: a preempted one first; else one of the group
         that dominates the running batch; and (prefix caching) not one whose next block a
-        running sequence is computing now. None when every candidate waits so."""
+        running sequence is computing now (their seq_ids are added to `held_back`, and
+        those already in it are not looked up again). None when every candidate waits so."""
         head = self.waiting[0]
         if head.num_computed or head.num_output_tokens or not self.running:
             return head  # preempted sequences go first; no preference without a batch
@@ -193,7 +195,10 @@ class Scheduler:
         for k, seq in enumerate(self.waiting):
             if k >= 256:
                 break
+            if seq.seq_id in held_back:
+                continue
             if self.blocks.waits_for_prefix(seq):
+                held_back.add(seq.seq_id)
                 continue
             if dominant is None or seq.group == dominant:
                 return seq
