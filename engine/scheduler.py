@@ -19,6 +19,12 @@ slots by default (`default_min_prefill_seqs`).
 When the cache runs out, the most recently admitted sequence is preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed later (its generated
 tokens are kept, so nothing is lost).
+
+With prefix caching (engine/prefix_cache.py) a waiting sequence is admitted at the cached
+blocks its tokens start with and computes only the rest; one whose next uncached block a
+running sequence is computing now waits (it reads that block a step later instead of
+computing it too), so the first of the rows sharing a prefix prefills it for the others.
+Each step starts by committing the blocks the previous steps filled.
 """
 
 from __future__ import annotations
