@@ -27,6 +27,7 @@ def load_llm(job: JobSpec, max_num_seqs: int | None = None):
     if max_num_seqs is not None:
         kwargs["max_num_seqs"] = max_num_seqs
     kwargs["batch_invariant"] = job.batching.batch_invariant
+    kwargs["enable_prefix_caching"] = job.batching.prefix_caching
     if job.batching.max_num_batched_tokens is not None:
         kwargs["max_num_batched_tokens"] = job.batching.max_num_batched_tokens
     return LLM(**kwargs)

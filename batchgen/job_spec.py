@@ -183,6 +183,10 @@ class BatchingSpec(_Section):
     batch_invariant: bool = Field(
         True, description="a row's output independent of its batch (CPU); false: faster"
     )
+    prefix_caching: bool = Field(
+        True,
+        description="rows sharing a prompt prefix compute it once (the same outputs either way)",
+    )
 
 
 class OutputSpec(_Section):

@@ -12,6 +12,10 @@ Modes:
   gives the same ids.
 - auto: each row's group is its task cluster (batchgen.task_clusters, set by the run loop).
 
+With `batching.prefix_caching` (the default), inside each group of a window the rows that
+share a prompt prefix go together, longest shared prefix first, before the rows that share
+nothing (longest first): batchgen/prefix_order.py.
+
 Given a spill directory, a job with groups (auto or a column) is planned cluster by
 cluster instead: rows are spilled to one bucket file per group, and once the input is read
 the buckets are fed largest first, each in windows of `plan_window` rows sorted by length.
@@ -31,9 +35,11 @@ import pickle
 import shutil
 from collections import Counter
 from collections.abc import Iterable, Iterator
+from itertools import groupby
 from pathlib import Path
 
 from batchgen.job_spec import BatchingSpec
+from batchgen.prefix_order import shared_prefix_order
 from batchgen.rows import InputRow, PreparedRow
 
 log = logging.getLogger(__name__)
@@ -96,6 +102,19 @@ def _window_order(row: PreparedRow) -> tuple[int, int]:
     return (group, -row.num_prompt_tokens)
 
 
+def _ordered(window: list[PreparedRow], spec: BatchingSpec) -> list[PreparedRow]:
+    """A window's rows by group, each group longest prompt first, or with prefix caching
+    its rows sharing a prompt prefix together (batchgen/prefix_order.py)."""
+    window.sort(key=_window_order)
+    if not spec.prefix_caching:
+        return window
+    return [
+        row
+        for _, rows in groupby(window, key=lambda r: r.group)
+        for row in shared_prefix_order(list(rows))
+    ]
+
+
 def plan_rows(
     rows: Iterable[PreparedRow],
     spec: BatchingSpec,
@@ -116,16 +135,9 @@ def plan_rows(
             continue
         window.append(row)
         if len(window) >= spec.plan_window:
-            window.sort(key=_window_order)
-            yield from window
+            yield from _ordered(window, spec)
             window = []
-    window.sort(key=_window_order)
-    yield from window
-
-
-def _longest_first(window: list[PreparedRow]) -> list[PreparedRow]:
-    window.sort(key=lambda r: -r.num_prompt_tokens)
-    return window
+    yield from _ordered(window, spec)
 
 
 class ClusterBuckets:
@@ -155,9 +167,11 @@ class ClusterBuckets:
         with open(self._path(group), "ab") as f:
             pickle.dump(self._pending.pop(group), f, protocol=pickle.HIGHEST_PROTOCOL)
 
-    def drain(self, window_rows: int) -> Iterator[PreparedRow]:
+    def drain(self, spec: BatchingSpec) -> Iterator[PreparedRow]:
         """Every group, largest first (rows without a group last), in windows of
-        `window_rows` sorted longest prompt first; each file is deleted once read."""
+        `spec.plan_window` rows ordered as plan_rows orders a window; each file is deleted
+        once read."""
+        window_rows = spec.plan_window
         for group in list(self._pending):
             self._flush(group)
         order = sorted(self.sizes, key=lambda g: (g is None, -self.sizes[g], g or 0))
@@ -172,8 +186,8 @@ class ClusterBuckets:
                         break
                     while len(window) >= window_rows:
                         head, window = window[:window_rows], window[window_rows:]
-                        yield from _longest_first(head)
-            yield from _longest_first(window)
+                        yield from _ordered(head, spec)
+            yield from _ordered(window, spec)
             path.unlink()
         shutil.rmtree(self.directory, ignore_errors=True)
 
@@ -195,9 +209,9 @@ def plan_by_cluster(
         elif first_group is not None and row.group == first_group:
             window.append(row)
             if len(window) >= spec.plan_window:
-                yield from _longest_first(window)
+                yield from _ordered(window, spec)
                 window = []
         else:
             buckets.add(row)
-    yield from _longest_first(window)
-    yield from buckets.drain(spec.plan_window)
+    yield from _ordered(window, spec)
+    yield from buckets.drain(spec)

@@ -195,6 +195,13 @@ class Progress:
         table.add_row(
             "tok/s", f"prompt {snap['prompt_tok_s']:,.0f}   output {snap['output_tok_s']:,.0f}"
         )
+        hit = snap["prefix_cache_hit_rate"]
+        table.add_row(
+            "prefix cache",
+            "-"
+            if hit is None
+            else f"{hit:.1%} of prompt tokens ({snap['cached_prompt_tokens']:,} cached)",
+        )
         table.add_row(
             "elapsed / ETA", f"{_fmt_duration(snap['elapsed_s'])} / {_fmt_duration(snap['eta_s'])}"
         )

@@ -33,6 +33,7 @@ _SCAN_COLUMNS = [
     "prompt_tokens",
     "completion_tokens",
     "cluster_id",
+    "cached_prompt_tokens",
 ]
 
 
@@ -82,7 +83,9 @@ def collect(run_dir: RunDir) -> dict:
     tokens = Counter()
     for entry in run_dir.live_parts():
         pf = pq.ParquetFile(run_dir.results / entry.part)
-        for batch in pf.iter_batches(columns=_SCAN_COLUMNS, batch_size=8192):
+        # parts written before the cached_prompt_tokens column read as 0 cached
+        columns = [c for c in _SCAN_COLUMNS if c in pf.schema_arrow.names]
+        for batch in pf.iter_batches(columns=columns, batch_size=8192):
             for r in batch.to_pylist():
                 ids.add(r["id"])
                 status[r["status"]] += 1
@@ -92,6 +95,12 @@ def collect(run_dir: RunDir) -> dict:
                 if r["status"] == "ok":
                     finish[r["finish_reason"]] += 1
                     tokens["completion"] += r["completion_tokens"] or 0
+                    # every completion prefills its prompt: the cache's share of those
+                    prefilled, cached = r["prompt_tokens"] or 0, r.get("cached_prompt_tokens") or 0
+                    tokens["prefilled_prompt"] += prefilled
+                    tokens["cached_prompt"] += cached
+                    clusters[cluster]["prefilled_prompt_tokens"] += prefilled
+                    clusters[cluster]["cached_prompt_tokens"] += cached
                     if r["n_index"] == 0:
                         tokens["prompt"] += r["prompt_tokens"] or 0
                 else:
@@ -111,7 +120,31 @@ def collect(run_dir: RunDir) -> dict:
         "max_tokens_share": round(finish.get("length", 0) / ok, 4) if ok else 0.0,
         "error_types": error_types,
         "tokens": {"prompt": tokens["prompt"], "completion": tokens["completion"]},
-        "clusters": {k: dict(v) for k, v in sorted(clusters.items())},
+        "prefix_cache": _prefix_cache(tokens["prefilled_prompt"], tokens["cached_prompt"]),
+        "clusters": {
+            k: {
+                **v,
+                "prefix_cache_hit_rate": _hit_rate(
+                    v["prefilled_prompt_tokens"], v["cached_prompt_tokens"]
+                ),
+            }
+            for k, v in sorted(clusters.items())
+        },
+    }
+
+
+def _hit_rate(prefilled: int, cached: int) -> float | None:
+    return round(cached / prefilled, 4) if prefilled else None
+
+
+def _prefix_cache(prefilled: int, cached: int) -> dict:
+    """Prompt tokens of the ok completions, those read from the engine's prefix cache, and
+    the share they make (the hit rate)."""
+    return {
+        "prefilled_prompt_tokens": prefilled,
+        "cached_prompt_tokens": cached,
+        "computed_prompt_tokens": prefilled - cached,
+        "hit_rate": _hit_rate(prefilled, cached),
     }
 
 
@@ -264,6 +297,7 @@ def render_markdown(report: dict) -> str:
         "",
         f"- prompt: {t['prompt']:,}",
         f"- completion: {t['completion']:,}",
+        _prefix_cache_line(report.get("prefix_cache")),
         "",
         "## Throughput over time (one point per committed part)",
         "",
@@ -277,13 +311,19 @@ def render_markdown(report: dict) -> str:
             f"{p['output_tok_s'] if p['output_tok_s'] is not None else '-'} | "
             f"{p['total_tok_s'] if p['total_tok_s'] is not None else '-'} |"
         )
-    lines += ["", "## Clusters", "", "| cluster | name | ok | error | output tokens |"]
-    lines.append("|---|---|---|---|---|")
+    lines += [
+        "",
+        "## Clusters",
+        "",
+        "| cluster | name | ok | error | output tokens | prefix cache hit rate |",
+    ]
+    lines.append("|---|---|---|---|---|---|")
     names = report.get("cluster_names", {})
     for k, v in report["clusters"].items():
+        hit = v.get("prefix_cache_hit_rate")
         lines.append(
             f"| {k} | {names.get(k, '-')} | {v.get('ok', 0):,} | {v.get('error', 0):,} | "
-            f"{v.get('completion_tokens', 0):,} |"
+            f"{v.get('completion_tokens', 0):,} | {'-' if hit is None else f'{hit:.1%}'} |"
         )
     if any(c["cluster_id"] is not None for c in report.get("per_cluster", [])):
         lines += [
@@ -323,6 +363,16 @@ def render_markdown(report: dict) -> str:
         "",
     ]
     return "\n".join(lines)
+
+
+def _prefix_cache_line(cache: dict | None) -> str:
+    if not cache or cache["hit_rate"] is None:
+        return "- prompt tokens read from the prefix cache: -"
+    return (
+        f"- prompt tokens read from the prefix cache: {cache['cached_prompt_tokens']:,} of "
+        f"{cache['prefilled_prompt_tokens']:,} prefilled ({cache['hit_rate']:.1%}; "
+        f"{cache['computed_prompt_tokens']:,} computed)"
+    )
 
 
 def _engine_section(report: dict) -> list[str]:

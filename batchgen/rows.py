@@ -63,6 +63,7 @@ class ResultRow:
     seed: int | None
     carry: dict[str, Any]
     seq: int = 0  # input position: used for `order: input`, not written
+    cached_prompt_tokens: int = 0  # prompt tokens read from the engine's prefix cache
 
     @property
     def ok(self) -> bool:

@@ -204,6 +204,7 @@ class RunLoop:
                 seed=pending.seeds[k],
                 carry=row.carry,
                 seq=row.seq,
+                cached_prompt_tokens=completion.cached_prompt_tokens,
             )
             self.engine.row_ok()
             if self.feed.suspects:

@@ -24,6 +24,10 @@ class RunStats:
     rows_done: int = 0  # input rows finished this session
     prompt_tokens: int = 0
     completion_tokens: int = 0
+    # prompt tokens of every ok completion (each prefills its prompt), and of those the
+    # ones read from the engine's prefix cache
+    prefilled_prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
     finish_reasons: Counter = field(default_factory=Counter)
     current_cluster: int | None = None
     engine_restarts: int = 0  # engines rebuilt after a fault, this session
@@ -39,6 +43,8 @@ class RunStats:
             if r.ok:
                 self.ok += 1
                 self.finish_reasons[r.finish_reason] += 1
+                self.prefilled_prompt_tokens += r.prompt_tokens
+                self.cached_prompt_tokens += r.cached_prompt_tokens
             else:
                 self.error += 1
             c += r.completion_tokens
@@ -109,6 +115,13 @@ class RunStats:
             return None
         return remaining * per_row / rate
 
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        """The share of the ok completions' prompt tokens read from the prefix cache."""
+        if not self.prefilled_prompt_tokens:
+            return None
+        return self.cached_prompt_tokens / self.prefilled_prompt_tokens
+
     def snapshot(self) -> dict:
         p_rate, c_rate = self.rates()
         eta = self.eta_seconds()
@@ -119,6 +132,10 @@ class RunStats:
             "error": self.errors_total,
             "prompt_tokens": self.prompt_tokens,
             "completion_tokens": self.completion_tokens,
+            "cached_prompt_tokens": self.cached_prompt_tokens,
+            "prefix_cache_hit_rate": (
+                None if self.prefix_cache_hit_rate is None else round(self.prefix_cache_hit_rate, 4)
+            ),
             "prompt_tok_s": round(p_rate, 1),
             "output_tok_s": round(c_rate, 1),
             "eta_s": None if eta is None else round(eta, 1),

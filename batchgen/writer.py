@@ -29,6 +29,8 @@ RESULT_FIELDS = [
     pa.field("finish_reason", pa.string()),
     pa.field("prompt_tokens", pa.int32()),
     pa.field("completion_tokens", pa.int32()),
+    # prompt tokens the engine read from its prefix cache instead of computing
+    pa.field("cached_prompt_tokens", pa.int32()),
     pa.field("cluster_id", pa.int32()),
     pa.field("error", pa.string()),
     pa.field("error_type", pa.string()),
@@ -185,6 +187,7 @@ def results_table(
         "finish_reason": [r.finish_reason for r in rows],
         "prompt_tokens": [r.prompt_tokens for r in rows],
         "completion_tokens": [r.completion_tokens for r in rows],
+        "cached_prompt_tokens": [r.cached_prompt_tokens for r in rows],
         "cluster_id": [r.cluster_id for r in rows],
         "error": [r.error for r in rows],
         "error_type": [r.error_type for r in rows],

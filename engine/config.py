@@ -98,6 +98,11 @@ class EngineConfig:
     # "auto" keeps the most routed experts on the GPU by.
     expert_offload: str = "off"
     expert_routing_stats: str | None = None
+    # Full KV blocks are shared by content between sequences whose tokens start the same
+    # way (engine/prefix_cache.py): a shared prompt prefix, and n > 1 completions, are
+    # computed once. Outputs are the same either way. Models with fixed per-sequence
+    # state (DeepSeek-V4) run without it (docs/prefix-caching.md says why).
+    enable_prefix_caching: bool = True
     cuda: CudaTuning = field(default_factory=CudaTuning)
 
     @classmethod

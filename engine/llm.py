@@ -21,7 +21,7 @@ class LLM:
 
     `model` is an alias, a Hugging Face directory or a GGUF file. `options` are the
     fields of `EngineConfig` (device, dtype, batch limits, KV memory, seed, speculative
-    decoding, scheduling, batch invariance) and of `CudaTuning` (the CUDA backend's speed
+    decoding, scheduling, batch invariance, prefix caching) and of `CudaTuning` (the CUDA backend's speed
     choices), each documented where it is declared in engine/config.py. `device` "auto"
     takes the GPU when there is one; `dtype` "auto" is float32 on the CPU and bfloat16 on
     a GPU (quantized weights stay in their stored format either way). An unknown option
@@ -50,6 +50,13 @@ class LLM:
         """The request ids of the engine's current step (and of a launched step not yet
         resolved): after `stream` raises, the requests the failure concerns."""
         return self.engine.requests_in_step
+
+    def reset_prefix_cache(self, enabled: bool | None = None) -> None:
+        """Forget every cached prefix (between jobs: the next one starts cold). `enabled`
+        turns caching on or off from now on (None: as it is); only while nothing runs."""
+        runner = self.engine.runner
+        on = runner.blocks.caches_prefixes if enabled is None else enabled
+        runner.blocks.replace_prefix_cache(runner.new_prefix_cache() if on else None)
 
     def record_routing(self, on: bool = True) -> bool:
         """Start (or stop) recording routing statistics; False for models without routed

@@ -299,7 +299,14 @@ class LLMEngine:
         else:
             shown = ids[:-1] if isinstance(seq.stop_reason, int) else ids
             text = self._decode(seq, shown)
-        return CompletionOutput(seq.index, text, list(ids), seq.finish_reason, seq.stop_reason)
+        return CompletionOutput(
+            seq.index,
+            text,
+            list(ids),
+            seq.finish_reason,
+            seq.stop_reason,
+            seq.cached_prompt_tokens or 0,
+        )
 
     def _output(self, state: _RequestState, now: float) -> RequestOutput:
         del self.requests[state.request_id]
@@ -309,6 +316,7 @@ class LLMEngine:
             "first_token_latency_s": (state.first_token or now) - state.arrival,
             "latency_s": now - state.arrival,
             "completion_tokens": sum(len(c.token_ids) for c in completions),
+            "cached_prompt_tokens": sum(c.cached_prompt_tokens for c in completions),
         }
         return RequestOutput(
             state.request_id, state.prompt, state.prompt_token_ids, completions, True, None, metrics

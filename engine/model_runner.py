@@ -25,6 +25,7 @@ from engine.models.registry import model_class_for
 from engine.ops.attention_context import AttentionContext
 from engine.ops.device_layer import DeviceSetup
 from engine.pending_step import PendingStep
+from engine.prefix_cache import PrefixCache, cache_identity
 from engine.sampler import sample
 from engine.scheduler import ScheduledBatch
 from engine.sequence import PENDING_TOKEN, Sequence
@@ -83,7 +84,13 @@ class ModelRunner:
         # The one place the scratch block (and state slot) is decided: the decode graphs'
         # padding rows write and read the cache's last block and the last state slot,
         # which the block manager never hands out.
-        self.blocks = BlockManager(kv_blocks, self.block_size, int(decode_graphs), num_state_slots)
+        self.blocks = BlockManager(
+            kv_blocks,
+            self.block_size,
+            int(decode_graphs),
+            num_state_slots,
+            prefix_cache=self.new_prefix_cache() if config.enable_prefix_caching else None,
+        )
         if decode_graphs:  # decode steps replay CUDA graphs (engine/cuda_graph_runner.py)
             from engine.cuda_graph_runner import CudaGraphRunner
 
@@ -102,6 +109,30 @@ class ModelRunner:
     def num_blocks(self) -> int:
         """KV cache blocks sequences can own (the graphs' scratch block not counted)."""
         return self.blocks.num_blocks
+
+    def new_prefix_cache(self) -> PrefixCache | None:
+        """An empty index of shareable KV blocks, where the model's whole decode state is
+        its paged caches. A model with fixed per-sequence state (DeepSeek-V4's window ring
+        and compression pooling rows) runs without (None): a sequence starting after a
+        cached prefix would need that state as of the prefix's end, which no block holds."""
+        if self.model.state_specs():
+            log.info(
+                "prefix caching off: %s keeps per-sequence state outside its paged cache "
+                "(docs/prefix-caching.md)",
+                type(self.model).__name__,
+            )
+            return None
+        specs = [(s.shape, str(s.dtype), s.tokens_per_entry) for s in self.model.cache_specs()]
+        identity = cache_identity(
+            self.config.model,
+            type(self.model).__name__,
+            str(self.dtype),
+            self.block_size,
+            specs,
+            self.config.speculative_tokens > 0,
+        )
+        # With the MTP speculator each position's MTP cache entry reads the next token.
+        return PrefixCache(identity, self.block_size, key_next_token=self.speculator is not None)
 
     def _decode_graphs_apply(self) -> bool:
         """CUDA graphs for the decode step, where the model allows them, unless routing is

@@ -14,6 +14,8 @@ class CompletionOutput:
     token_ids: list[int]
     finish_reason: str | None  # "stop" | "length" | None while running
     stop_reason: str | int | None = None  # the stop string or token id that ended it
+    # prompt tokens this completion read from the prefix cache instead of computing
+    cached_prompt_tokens: int = 0
 
 
 @dataclass
@@ -32,6 +34,12 @@ class RequestOutput:
     @property
     def num_prompt_tokens(self) -> int:
         return len(self.prompt_token_ids)
+
+    @property
+    def cached_prompt_tokens(self) -> int:
+        """Prompt tokens read from the prefix cache instead of computed, summed over the
+        completions (each prefills the prompt, all but the first usually from the cache)."""
+        return sum(c.cached_prompt_tokens for c in self.outputs)
 
 
 @dataclass

@@ -19,6 +19,12 @@ slots by default (`default_min_prefill_seqs`).
 When the cache runs out, the most recently admitted sequence is preempted: its blocks are
 freed and it goes back to the front of the queue to be recomputed later (its generated
 tokens are kept, so nothing is lost).
+
+With prefix caching (engine/prefix_cache.py) a waiting sequence is admitted at the cached
+blocks its tokens start with and computes only the rest; one whose next uncached block a
+running sequence is computing now waits (it reads that block a step later instead of
+computing it too), so the first of the rows sharing a prefix prefills it for the others.
+Each step starts by committing the blocks the previous steps filled.
 """
 
 from __future__ import annotations
@@ -107,6 +113,8 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch:
+        for seq in self.running:  # the blocks the last steps filled become shareable
+            self.blocks.commit(seq)
         if not self.separate_prefill:
             return self._schedule(self.running, admit=True)
         prefilling = [s for s in self.running if s.num_uncomputed > 1]
@@ -154,13 +162,19 @@ class Scheduler:
 
         # Then admit waiting sequences while there is room, preferring the group that
         # dominates the running batch (a task cluster routes to overlapping experts).
+        held_back: set[int] = set()  # waiting for a prefix: admissions only add to those
         while admit and self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
-            seq = self._next_waiting()
-            n = min(seq.num_uncomputed, budget)
-            if not self.blocks.can_grow(seq, self._needed(seq, n)):
+            seq = self._next_waiting(held_back)
+            if seq is None:
+                break  # each candidate waits for a prefix a running sequence is computing
+            prefix = self.blocks.cached_prefix(seq)
+            start = len(prefix) * self.blocks.block_size if prefix else seq.num_computed
+            n = min(len(seq) - start, budget)
+            needed = start + n + self.lookahead_slots
+            if not self.blocks.can_grow(seq, needed, prefix):
                 break
             self._take_waiting(seq)
-            self.blocks.grow(seq, self._needed(seq, n))
+            self.blocks.grow(seq, needed, prefix)
             seq.status = Status.RUNNING
             self.running.append(seq)
             seqs.append(seq)
@@ -172,23 +186,30 @@ class Scheduler:
         """Cache positions the sequence must own to run n more rows this step."""
         return seq.num_computed + n + self.lookahead_slots
 
-    def _next_waiting(self) -> Sequence:
+    def _next_waiting(self, held_back: set[int]) -> Sequence | None:
+        """The waiting sequence to admit next: a preempted one first; else one of the group
+        that dominates the running batch; and (prefix caching) not one whose next block a
+        running sequence is computing now (their seq_ids are added to `held_back`, and
+        those already in it are not looked up again). None when every candidate waits so."""
         head = self.waiting[0]
         if head.num_computed or head.num_output_tokens or not self.running:
             return head  # preempted sequences go first; no preference without a batch
         groups = Counter(s.group for s in self.running if s.group is not None)
-        if not groups:
-            return head
-        dominant = groups.most_common(1)[0][0]
-        if head.group == dominant:
-            return head
+        dominant = groups.most_common(1)[0][0] if groups else None
+        ready = None
         # Look a bounded way ahead so admission stays O(1)-ish per step.
         for k, seq in enumerate(self.waiting):
             if k >= 256:
                 break
-            if seq.group == dominant:
+            if seq.seq_id in held_back:
+                continue
+            if self.blocks.waits_for_prefix(seq):
+                held_back.add(seq.seq_id)
+                continue
+            if dominant is None or seq.group == dominant:
                 return seq
-        return head
+            ready = ready or seq
+        return ready
 
     def _take_waiting(self, seq: Sequence) -> None:
         if self.waiting[0] is seq:

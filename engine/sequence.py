@@ -54,6 +54,15 @@ class Sequence:
         # The slot of the model's fixed per-sequence state (CausalLM.state_specs) this
         # sequence owns while it holds blocks; None for models without such state.
         self.state_slot: int | None = None
+        # Prefix caching (engine/block_manager.py): the content keys of the leading full
+        # blocks, how many leading blocks of block_table are committed to the index (or
+        # were read from it), and up to which block its prompt blocks were announced as
+        # being computed.
+        self.block_keys: list[bytes] = []
+        self.num_committed = 0
+        self.num_announced = 0
+        # Prompt tokens read from the prefix cache at the first admission, not computed.
+        self.cached_prompt_tokens: int | None = None
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None
         self.text = ""  # the output cut at its stop string (set only when one ends it)

@@ -26,6 +26,7 @@ BENCHMARKS = {
     "kernels",
     "mla-decode",
     "pipeline-memory",
+    "prefix-cache",
     "ray",
     "routing",
     "step-tune",

@@ -43,6 +43,7 @@ FIELDS = [
     ("batching", "max_num_batched_tokens", int),
     ("batching", "plan_window", int),
     ("batching", "batch_invariant", bool),
+    ("batching", "prefix_caching", bool),
     ("output", "rows_per_part", int),
     ("errors", "budget", float),
     ("executor", "num_workers", int),
