@@ -305,6 +305,11 @@ class CudaGraphRunner:
         self.capture_seconds = time.perf_counter() - start
         log.info("captured decode graphs %s in %.1f s", buckets, self.capture_seconds)
 
+    def serves(self, seqs: list[Sequence]) -> bool:
+        """Whether the graphs compute what these sequences ask of a step: they apply no
+        grammar mask and return no logprobs, so such rows run eagerly."""
+        return not any(s.grammar is not None or s.params.logprobs is not None for s in seqs)
+
     def fits(self, num_seqs: int) -> bool:
         """Whether a captured bucket holds a decode step of num_seqs (> 0) sequences."""
         return num_seqs > 0 and bucket_for(num_seqs, self.buckets) is not None

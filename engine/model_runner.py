@@ -23,9 +23,10 @@ from engine.models.registry import model_class_for
 from engine.ops.attention_context import AttentionContext
 from engine.ops.device_layer import DeviceSetup
 from engine.pending_step import PendingStep
-from engine.sampler import sample
+from engine.sampler import sample_step
 from engine.scheduler import ScheduledBatch
 from engine.sequence import PENDING_TOKEN, Sequence
+from engine.structured_output.bitmask import grammar_bitmask
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +58,8 @@ class ModelRunner:
         self.block_size = aligned_block_size(config.block_size, self.model.cache_specs())
         # read once: the engine checks every new token against it
         self.eos_token_ids: list[int] = self._eos_token_ids()
+        # the logits' width (grammar bitmasks are sized by it)
+        self.vocab_size = int(self.source.config.get("vocab_size") or 0)
         self.graphs = None
         self.speculator = None
         self.routing_recorder = None  # set_routing_recorder
@@ -300,13 +303,14 @@ class ModelRunner:
 
     def _replays(self, seqs: list[Sequence]) -> bool:
         """Whether a decode step of these sequences replays a graph (else it runs eagerly):
-        a bucket holds them, routing is not being recorded, and no row bans tokens (the
-        graphs' sampler applies no ban)."""
+        a bucket holds them, routing is not being recorded, and no row bans tokens or
+        has penalties (the graphs' sampler applies neither)."""
         return (
             self.graphs is not None
             and self.graphs.fits(len(seqs))
             and self.routing_recorder is None
-            and not any(self.banned_tokens(s) for s in seqs)
+            and not any(self.banned_tokens(s) or s.params.penalized for s in seqs)
+            and self.graphs.serves(seqs)
         )
 
     def _run_eager(self, batch: ScheduledBatch) -> dict[int, list[int]]:
@@ -324,15 +328,24 @@ class ModelRunner:
             seq.num_computed += n
         if not sampling:
             return {}
+        # built while the device runs the forward (on CUDA the launches above are async)
+        bitmask, constrained = grammar_bitmask(
+            sampling, self.vocab_size, pin=self.device.type == "cuda"
+        )
         logits = self.model.compute_logits(hidden[rows])  # [N, V]
-        banned = [self.banned_tokens(s) for s in sampling]
-        tokens = sample(
+        tokens, logprobs = sample_step(
             logits,
             [s.params for s in sampling],
             [s.sample_seed or 0 for s in sampling],
             [s.num_output_tokens for s in sampling],
-            banned,
+            output_tokens=[s.output_token_ids if s.params.penalized else [] for s in sampling],
+            bitmask=bitmask,
+            constrained=constrained,
+            banned=[self.banned_tokens(s) for s in sampling],
         )
+        for seq, entry in zip(sampling, logprobs):
+            if entry is not None:
+                seq.logprobs[seq.num_output_tokens] = entry
         return {s.seq_id: [t] for s, t in zip(sampling, tokens)}
 
     def banned_tokens(self, seq: Sequence) -> list[int]:

@@ -43,7 +43,8 @@ def grammar_spec(response_format: dict | None, json_whitespace: bool = False) ->
                 "response_format.json_schema.schema must be a JSON schema object, "
                 f"got {type(schema).__name__}"
             )
-        return GrammarSpec(kind, json.dumps(schema, sort_keys=True), json_whitespace)
+        # key order kept: the grammar emits properties in the schema's order
+        return GrammarSpec(kind, json.dumps(schema), json_whitespace)
     if kind == "json_object":
         return GrammarSpec(kind, "", json_whitespace)
     if kind == "regex":
