@@ -110,8 +110,8 @@ class LLMEngine:
             for i in range(params.n)
         ]
         if compiled is not None:
-            for seq in seqs:  # drafts are checked by accepting them and rolling back
-                seq.grammar = SequenceGrammar(compiled, self.config.speculative_tokens)
+            for seq in seqs:
+                seq.grammar = SequenceGrammar(compiled)
         self.requests[request_id] = _RequestState(
             request_id, prompt, list(prompt_token_ids), seqs, tag
         )

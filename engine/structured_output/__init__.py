@@ -2,7 +2,7 @@
 and the token bitmask that keeps each step's sample inside the grammar.
 
 grammar_spec.py checks a response_format's shape (no library needed); compiler.py compiles
-it with xgrammar (imported lazily: the engine runs without it until a request asks for a
+it with llguidance (imported lazily: the engine runs without it until a request asks for a
 grammar); matcher.py follows one sequence's tokens; bitmask.py fills a batch's mask rows.
 """
 

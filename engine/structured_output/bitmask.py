@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
+
 import torch
 
 from engine.sequence import Sequence
@@ -19,8 +21,22 @@ def grammar_bitmask(
     bitmask = torch.full((len(rows), -(-vocab_size // 32)), -1, dtype=torch.int32)
     if pin:
         bitmask = bitmask.pin_memory()
+    pairs = []
     for i, seq in enumerate(rows):
         if seq.grammar is not None:
             seq.grammar.sync(seq.output_token_ids)
-            seq.grammar.fill(bitmask, i)
+            pairs.append((seq.grammar.matcher, i))
+    if len(pairs) == 1:
+        rows[pairs[0][1]].grammar.fill(bitmask, pairs[0][1])
+    else:  # llguidance's threads fill the rows in parallel, without the GIL
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask_par(_executor(), pairs, bitmask)
     return bitmask, constrained
+
+
+@lru_cache(maxsize=1)
+def _executor():
+    import llguidance
+
+    return llguidance.LLExecutor()

@@ -6,30 +6,22 @@ import torch
 
 
 class SequenceGrammar:
-    """Follows a sequence's output tokens through its compiled grammar.
+    """Follows a sequence's output tokens through its grammar (a copy of the compiled
+    start-state matcher, engine/structured_output/compiler.py).
 
     The engine never feeds it tokens: before a mask is built, `sync` catches it up with
     the sequence's output so far, so it stays right across async steps, speculative drafts,
-    preemption and recompute (the sequence keeps its tokens; a shorter output rolls the
-    matcher back, or rebuilds it from the tokens)."""
+    preemption and recompute (the sequence keeps its tokens; an output that is not an
+    extension of what was accepted rebuilds the matcher from the tokens)."""
 
-    def __init__(self, compiled, max_rollback_tokens: int = 0) -> None:
-        import xgrammar as xgr
-
+    def __init__(self, compiled) -> None:
         self._compiled = compiled
-        self._max_rollback = max_rollback_tokens
-        self._matcher = xgr.GrammarMatcher(compiled, max_rollback_tokens=max_rollback_tokens)
+        self.matcher = compiled.deep_copy()
         self._tokens: list[int] = []  # accepted so far
 
     @property
     def num_accepted(self) -> int:
         return len(self._tokens)
-
-    def _rebuild(self) -> None:
-        import xgrammar as xgr
-
-        self._matcher = xgr.GrammarMatcher(self._compiled, max_rollback_tokens=self._max_rollback)
-        self._tokens = []
 
     def sync(self, output_token_ids: list[int]) -> None:
         """Accept the tokens of `output_token_ids` not accepted yet (it holds no pending
@@ -37,32 +29,33 @@ class SequenceGrammar:
         have made it impossible."""
         n = len(self._tokens)
         if n and (len(output_token_ids) < n or output_token_ids[n - 1] != self._tokens[-1]):
-            self._rebuild()  # the output is not an extension of what was accepted
+            self.matcher = self._compiled.deep_copy()
+            self._tokens = []
             n = 0
         for token in output_token_ids[n:]:
-            if not self._matcher.accept_token(token):
+            if not self.try_accept(token):
                 raise RuntimeError(
-                    f"token {token} at output position {len(self._tokens)} breaks the grammar"
+                    f"token {token} at output position {len(self._tokens)} breaks the grammar: "
+                    f"{self.matcher.get_error()}"
                 )
-            self._tokens.append(token)
 
     def fill(self, bitmask: torch.Tensor, row: int) -> None:
         """Write the allowed next tokens into bitmask[row] (int32 words, bit v % 32 of
         word v // 32 set for an allowed token v)."""
-        self._matcher.fill_next_token_bitmask(bitmask, row)
+        import llguidance.torch
+
+        llguidance.torch.fill_next_token_bitmask(self.matcher, bitmask, row)
 
     def try_accept(self, token: int) -> bool:
-        """Accept one more token (a draft) if the grammar allows it; `rollback` undoes it."""
-        if self._matcher.accept_token(token):
-            self._tokens.append(token)
-            return True
-        return False
+        """Accept one more token (a draft) if the grammar allows it; `rollback` undoes it.
+        A refused token leaves the matcher as it was."""
+        if self.matcher.is_stopped() or not self.matcher.validate_tokens([token]):
+            return False
+        self.matcher.consume_token(token)
+        self._tokens.append(token)
+        return True
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
-            self._matcher.rollback(num_tokens)
+            self.matcher.rollback(num_tokens)
             del self._tokens[-num_tokens:]
-
-    @property
-    def is_terminated(self) -> bool:
-        return self._matcher.is_terminated()

@@ -1,0 +1,209 @@
+"""Structured output on the CPU engine: rows that stop are valid against their grammar,
+rows cut by max_tokens say "length" and keep a valid prefix, constrained and free rows mix
+in one batch without changing each other, n > 1 with seeds repeats itself, and a grammar
+that does not compile fails its request alone."""
+
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+
+from engine import LLM, Request, SamplingParams
+from engine.structured_output import grammar_spec
+
+pytest.importorskip("llguidance")
+jsonschema = pytest.importorskip("jsonschema")
+
+SCHEMA = {
+    "type": "object",
+    "properties": {
+        "name": {"type": "string", "maxLength": 6},
+        "ok": {"type": "boolean"},
+        "kind": {"enum": ["fox", "dog", "report"]},
+        "tags": {"type": "array", "items": {"enum": ["a", "b"]}, "maxItems": 3},
+    },
+    "required": ["name", "ok", "kind", "tags"],
+    "additionalProperties": False,
+}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "row", "schema": SCHEMA}}
+REGEX = r"[a-c]{2,4}-\d{2}"
+CHOICES = ["positive", "negative", "neutral"]
+PROMPTS = ["the quick brown", "translate into french:", "summarize the", "1234 abc"]
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama):
+    return LLM(str(tiny_llama), device="cpu", dtype="float32")
+
+
+def _params(fmt, seed=0, **kw):
+    kw.setdefault("max_tokens", 80)
+    return SamplingParams(temperature=1.0, seed=seed, response_format=fmt, **kw)
+
+
+def _stream(llm, requests):
+    return {o.request_id: o for o in llm.stream(requests)}
+
+
+def test_json_schema_rows_that_stop_validate_and_cut_rows_are_prefixes(llm):
+    stopped = 0
+    for seed in range(6):
+        out = llm.generate(PROMPTS, _params(JSON_SCHEMA, seed=seed))
+        for o in out:
+            c = o.outputs[0]
+            assert c.finish_reason in ("stop", "length")
+            if c.finish_reason == "stop":
+                jsonschema.validate(json.loads(c.text), SCHEMA)
+                assert " " not in c.text.replace('" ', "").split('"')[0]  # compact
+                stopped += 1
+            else:
+                assert len(c.token_ids) == 80 and c.text.startswith("{")
+    assert stopped >= 12  # the grammar ends most rows well before max_tokens
+
+
+def test_cut_row_says_length_and_keeps_its_partial_text(llm):
+    out = llm.generate(PROMPTS[0], _params(JSON_SCHEMA, seed=1, max_tokens=5))[0].outputs[0]
+    assert out.finish_reason == "length" and len(out.token_ids) == 5
+    assert out.text and out.text.startswith("{")
+
+
+def test_json_object_regex_and_choice_are_honoured(llm):
+    for seed in range(4):
+        objects = llm.generate(PROMPTS, _params({"type": "json_object"}, seed=seed))
+        for o in objects:
+            c = o.outputs[0]
+            if c.finish_reason == "stop":
+                assert isinstance(json.loads(c.text), dict)
+        regexes = llm.generate(PROMPTS, _params({"type": "regex", "regex": REGEX}, seed=seed))
+        choices = llm.generate(PROMPTS, _params({"type": "choice", "choice": CHOICES}, seed=seed))
+        for o in regexes:
+            assert o.outputs[0].finish_reason == "stop" and re.fullmatch(REGEX, o.outputs[0].text)
+        for o in choices:
+            assert o.outputs[0].finish_reason == "stop" and o.outputs[0].text in CHOICES
+
+
+def test_greedy_constrained_row_picks_the_best_allowed_token(llm):
+    """A greedy choice row equals the choice the model scores highest token by token."""
+    out = llm.generate(PROMPTS[1], SamplingParams(
+        temperature=0.0, max_tokens=10, logprobs=0,
+        response_format={"type": "choice", "choice": CHOICES}))[0].outputs[0]  # fmt: skip
+    assert out.text in CHOICES and out.finish_reason == "stop"
+
+
+def test_mixed_batch_rows_equal_rows_alone(tiny_llama):
+    mixed = LLM(str(tiny_llama), device="cpu", dtype="float32", max_num_seqs=8)
+    alone = LLM(str(tiny_llama), device="cpu", dtype="float32", max_num_seqs=1)
+    formats = [JSON_SCHEMA, None, {"type": "regex", "regex": REGEX}, None,
+               {"type": "choice", "choice": CHOICES}, {"type": "json_object"}]  # fmt: skip
+    requests = [
+        Request(f"r{i}", PROMPTS[i % len(PROMPTS)], _params(f, seed=10 + i, max_tokens=40, logprobs=2))
+        for i, f in enumerate(formats)
+    ]
+    together = _stream(mixed, requests)
+    for r in requests:
+        single = _stream(alone, [r])[r.request_id].outputs[0]
+        got = together[r.request_id].outputs[0]
+        assert got.token_ids == single.token_ids, r.request_id
+        assert [e.logprob for e in got.logprobs] == [e.logprob for e in single.logprobs]
+
+
+def test_n_completions_with_a_seed_repeat_and_each_validates(llm):
+    params = _params(JSON_SCHEMA, seed=7, n=3)
+    first = llm.generate(PROMPTS[0], params)[0].outputs
+    again = llm.generate(PROMPTS[0], params)[0].outputs
+    assert [c.token_ids for c in first] == [c.token_ids for c in again]
+    assert len({tuple(c.token_ids) for c in first}) > 1  # the n samples differ
+    for c in first:
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+
+
+def test_constrained_rows_survive_preemption_unchanged(tiny_llama):
+    base = LLM(str(tiny_llama), device="cpu", dtype="float32")
+    requests = [Request(f"r{i}", PROMPTS[i % 4], _params(JSON_SCHEMA, seed=i, max_tokens=48))
+                for i in range(12)]  # fmt: skip
+    alone = {r.request_id: _stream(base, [r])[r.request_id].outputs[0].token_ids for r in requests}
+    runner = base.engine.runner
+    per_block = sum(s.bytes_per_block(8, runner.dtype) for s in runner.model.cache_specs())
+    small = LLM(str(tiny_llama), device="cpu", dtype="float32", block_size=8,
+                kv_cache_memory=per_block * 24, max_num_seqs=12, max_num_batched_tokens=32)  # fmt: skip
+    got = _stream(small, requests)
+    assert small.num_preemptions > 0
+    assert {k: v.outputs[0].token_ids for k, v in got.items()} == alone
+
+
+def test_a_schema_that_does_not_compile_fails_its_request_alone(llm):
+    bad = {"type": "json_schema",
+           "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "frobnicate"}}}}}  # fmt: skip
+    requests = [
+        Request("bad", PROMPTS[0], _params(bad)),
+        Request("bad_regex", PROMPTS[0], _params({"type": "regex", "regex": "(abc"})),
+        Request("good", PROMPTS[1], _params({"type": "choice", "choice": CHOICES})),
+    ]
+    out = _stream(llm, requests)
+    assert "json_schema" in out["bad"].error and "frobnicate" in out["bad"].error
+    assert "regex" in out["bad_regex"].error and not out["bad_regex"].outputs
+    assert out["good"].error is None and out["good"].outputs[0].text in CHOICES
+
+
+@pytest.mark.parametrize(
+    "fmt, words",
+    [
+        ("json", "must be an object"),
+        ({"type": "xml"}, "response_format.type"),
+        ({"type": "json_schema"}, "json_schema"),
+        ({"type": "json_schema", "json_schema": {"schema": "{}"}}, "schema"),
+        ({"type": "regex", "regex": ""}, "regex"),
+        ({"type": "choice", "choice": []}, "choice"),
+    ],
+)
+def test_malformed_response_format_is_a_value_error_naming_the_key(fmt, words):
+    with pytest.raises(ValueError, match=words):
+        SamplingParams(response_format=fmt)
+
+
+def test_text_and_none_are_free():
+    assert grammar_spec(None) is None and grammar_spec({"type": "text"}) is None
+    assert SamplingParams(response_format={"type": "text"}).grammar is None
+
+
+def test_grammar_rejects_ignore_eos_and_min_tokens():
+    with pytest.raises(ValueError, match="ignore_eos"):
+        SamplingParams(response_format={"type": "json_object"}, ignore_eos=True)
+    with pytest.raises(ValueError, match="min_tokens"):
+        SamplingParams(response_format={"type": "json_object"}, min_tokens=2)
+
+
+def test_without_the_library_a_constrained_request_is_a_clear_error(llm, monkeypatch):
+    import sys
+
+    from engine.structured_output.compiler import GrammarCompiler, GrammarError
+
+    monkeypatch.setitem(sys.modules, "llguidance", None)
+    compiler = GrammarCompiler(llm.engine.tokenizer.hf, llm.engine.runner.vocab_size, [1])
+    with pytest.raises(GrammarError, match="llguidance"):
+        compiler.compile(grammar_spec({"type": "json_object"}))
+
+
+def test_matcher_rebuilds_when_the_output_is_not_an_extension(llm):
+    from engine.structured_output.matcher import SequenceGrammar
+
+    engine = llm.engine
+    compiled = engine.grammars.compile(grammar_spec({"type": "choice", "choice": CHOICES}))
+    hf = engine.tokenizer.hf
+    pos, neg = hf.encode("positive", add_special_tokens=False), hf.encode("negative", add_special_tokens=False)
+    grammar = SequenceGrammar(compiled)
+    words = -(-engine.runner.vocab_size // 32)
+    grammar.sync(pos[:1])
+    grammar.sync(neg[:1])  # another first token: rebuilt, not refused
+    assert grammar.num_accepted == 1
+    grammar.sync(neg)
+    mask = torch.zeros(1, words, dtype=torch.int32)
+    grammar.fill(mask, 0)
+    allowed = [v for v in range(engine.runner.vocab_size) if (int(mask[0, v // 32]) >> (v % 32)) & 1]
+    assert allowed == engine.runner.eos_token_ids  # "negative" is complete: only EOS
+    with pytest.raises(RuntimeError, match="breaks the grammar"):
+        SequenceGrammar(compiled).sync(hf.encode("zzz", add_special_tokens=False))
