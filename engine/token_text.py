@@ -59,9 +59,6 @@ class TokenText:
             entry = logprobs.get(pos)
             if entry is None:  # cannot happen for a sequence that asked for logprobs
                 raise RuntimeError(f"no logprobs recorded for output position {pos}")
-            top = [
-                TopLogprob(t, *self(t), lp)
-                for t, lp in zip(entry.top_ids, entry.top_logprobs)
-            ]
+            top = [TopLogprob(t, *self(t), lp) for t, lp in zip(entry.top_ids, entry.top_logprobs)]
             out.append(TokenLogprob(token_id, *self(token_id), entry.logprob, top))
         return out

@@ -62,7 +62,9 @@ SCHEMAS = {
     "wide": (
         {
             "type": "object",
-            "properties": {f"field_{i}": {"type": ["string", "integer", "null"]} for i in range(40)},
+            "properties": {
+                f"field_{i}": {"type": ["string", "integer", "null"]} for i in range(40)
+            },
             "required": [f"field_{i}" for i in range(40)],
             "additionalProperties": False,
         },
@@ -183,9 +185,13 @@ def main(model: str = "smollm2-135m-instruct") -> None:
     for lib, timer in (("xgrammar", time_xgrammar), ("llguidance", time_llguidance)):
         setup, rows = timer(hf, vocab_size, cases)
         print(f"\n{lib}: tokenizer setup {setup * 1e3:.0f} ms")
-        print(f"{'grammar':<16} {'compile ms':>10} {'mask+accept us':>15} {'max us':>8} {'steps':>6}")
+        print(
+            f"{'grammar':<16} {'compile ms':>10} {'mask+accept us':>15} {'max us':>8} {'steps':>6}"
+        )
         for name, compile_s, mean_s, max_s, n in rows:
-            print(f"{name:<16} {compile_s * 1e3:>10.1f} {mean_s * 1e6:>15.1f} {max_s * 1e6:>8.0f} {n:>6}")
+            print(
+                f"{name:<16} {compile_s * 1e3:>10.1f} {mean_s * 1e6:>15.1f} {max_s * 1e6:>8.0f} {n:>6}"
+            )
 
 
 if __name__ == "__main__":

@@ -49,19 +49,21 @@ def _stream(llm, requests):
 
 
 def test_json_schema_rows_that_stop_validate_and_cut_rows_are_prefixes(llm):
+    requests = [Request(f"{p}/{seed}", p, _params(JSON_SCHEMA, seed=seed))
+                for p in PROMPTS for seed in range(3)]  # fmt: skip
     stopped = 0
-    for seed in range(6):
-        out = llm.generate(PROMPTS, _params(JSON_SCHEMA, seed=seed))
-        for o in out:
-            c = o.outputs[0]
-            assert c.finish_reason in ("stop", "length")
-            if c.finish_reason == "stop":
-                jsonschema.validate(json.loads(c.text), SCHEMA)
-                assert " " not in c.text.replace('" ', "").split('"')[0]  # compact
-                stopped += 1
-            else:
-                assert len(c.token_ids) == 80 and c.text.startswith("{")
-    assert stopped >= 12  # the grammar ends most rows well before max_tokens
+    for o in _stream(llm, requests).values():
+        c = o.outputs[0]
+        assert c.finish_reason in ("stop", "length")
+        if c.finish_reason == "stop":
+            jsonschema.validate(json.loads(c.text), SCHEMA)
+            assert c.text == json.dumps(
+                json.loads(c.text), separators=(",", ":"), ensure_ascii=False
+            )
+            stopped += 1
+        else:
+            assert len(c.token_ids) == 80 and c.text.startswith("{")
+    assert stopped >= 6  # the grammar ends most rows well before max_tokens
 
 
 def test_cut_row_says_length_and_keeps_its_partial_text(llm):
@@ -71,18 +73,22 @@ def test_cut_row_says_length_and_keeps_its_partial_text(llm):
 
 
 def test_json_object_regex_and_choice_are_honoured(llm):
-    for seed in range(4):
-        objects = llm.generate(PROMPTS, _params({"type": "json_object"}, seed=seed))
-        for o in objects:
-            c = o.outputs[0]
+    formats = {
+        "object": {"type": "json_object"},
+        "regex": {"type": "regex", "regex": REGEX},
+        "choice": {"type": "choice", "choice": CHOICES},
+    }
+    requests = [Request(f"{name}/{p}/{seed}", p, _params(f, seed=seed, max_tokens=40))
+                for name, f in formats.items() for p in PROMPTS for seed in range(2)]  # fmt: skip
+    for rid, o in _stream(llm, requests).items():
+        c = o.outputs[0]
+        if rid.startswith("object"):
             if c.finish_reason == "stop":
                 assert isinstance(json.loads(c.text), dict)
-        regexes = llm.generate(PROMPTS, _params({"type": "regex", "regex": REGEX}, seed=seed))
-        choices = llm.generate(PROMPTS, _params({"type": "choice", "choice": CHOICES}, seed=seed))
-        for o in regexes:
-            assert o.outputs[0].finish_reason == "stop" and re.fullmatch(REGEX, o.outputs[0].text)
-        for o in choices:
-            assert o.outputs[0].finish_reason == "stop" and o.outputs[0].text in CHOICES
+        elif rid.startswith("regex"):
+            assert c.finish_reason == "stop" and re.fullmatch(REGEX, c.text)
+        else:
+            assert c.finish_reason == "stop" and c.text in CHOICES
 
 
 def test_greedy_constrained_row_picks_the_best_allowed_token(llm):
@@ -99,7 +105,7 @@ def test_mixed_batch_rows_equal_rows_alone(tiny_llama):
     formats = [JSON_SCHEMA, None, {"type": "regex", "regex": REGEX}, None,
                {"type": "choice", "choice": CHOICES}, {"type": "json_object"}]  # fmt: skip
     requests = [
-        Request(f"r{i}", PROMPTS[i % len(PROMPTS)], _params(f, seed=10 + i, max_tokens=40, logprobs=2))
+        Request(f"r{i}", PROMPTS[i % 4], _params(f, seed=10 + i, max_tokens=24, logprobs=2))
         for i, f in enumerate(formats)
     ]
     together = _stream(mixed, requests)
@@ -122,17 +128,19 @@ def test_n_completions_with_a_seed_repeat_and_each_validates(llm):
 
 
 def test_constrained_rows_survive_preemption_unchanged(tiny_llama):
-    base = LLM(str(tiny_llama), device="cpu", dtype="float32")
-    requests = [Request(f"r{i}", PROMPTS[i % 4], _params(JSON_SCHEMA, seed=i, max_tokens=48))
-                for i in range(12)]  # fmt: skip
-    alone = {r.request_id: _stream(base, [r])[r.request_id].outputs[0].token_ids for r in requests}
-    runner = base.engine.runner
+    """Rows in a cache too small for all of them at once (preempted, recomputed, their
+    matchers caught up again) equal the same rows in a roomy cache."""
+    requests = [Request(f"r{i}", PROMPTS[i % 4], _params(JSON_SCHEMA, seed=i, max_tokens=40))
+                for i in range(10)]  # fmt: skip
+    roomy = LLM(str(tiny_llama), device="cpu", dtype="float32", max_num_seqs=10)
+    expected = {k: v.outputs[0].token_ids for k, v in _stream(roomy, requests).items()}
+    runner = roomy.engine.runner
     per_block = sum(s.bytes_per_block(8, runner.dtype) for s in runner.model.cache_specs())
     small = LLM(str(tiny_llama), device="cpu", dtype="float32", block_size=8,
-                kv_cache_memory=per_block * 24, max_num_seqs=12, max_num_batched_tokens=32)  # fmt: skip
+                kv_cache_memory=per_block * 20, max_num_seqs=10, max_num_batched_tokens=32)  # fmt: skip
     got = _stream(small, requests)
     assert small.num_preemptions > 0
-    assert {k: v.outputs[0].token_ids for k, v in got.items()} == alone
+    assert {k: v.outputs[0].token_ids for k, v in got.items()} == expected
 
 
 def test_a_schema_that_does_not_compile_fails_its_request_alone(llm):
@@ -194,7 +202,10 @@ def test_matcher_rebuilds_when_the_output_is_not_an_extension(llm):
     engine = llm.engine
     compiled = engine.grammars.compile(grammar_spec({"type": "choice", "choice": CHOICES}))
     hf = engine.tokenizer.hf
-    pos, neg = hf.encode("positive", add_special_tokens=False), hf.encode("negative", add_special_tokens=False)
+    pos, neg = (
+        hf.encode("positive", add_special_tokens=False),
+        hf.encode("negative", add_special_tokens=False),
+    )
     grammar = SequenceGrammar(compiled)
     words = -(-engine.runner.vocab_size // 32)
     grammar.sync(pos[:1])
@@ -203,7 +214,9 @@ def test_matcher_rebuilds_when_the_output_is_not_an_extension(llm):
     grammar.sync(neg)
     mask = torch.zeros(1, words, dtype=torch.int32)
     grammar.fill(mask, 0)
-    allowed = [v for v in range(engine.runner.vocab_size) if (int(mask[0, v // 32]) >> (v % 32)) & 1]
+    allowed = [
+        v for v in range(engine.runner.vocab_size) if (int(mask[0, v // 32]) >> (v % 32)) & 1
+    ]
     assert allowed == engine.runner.eos_token_ids  # "negative" is complete: only EOS
     with pytest.raises(RuntimeError, match="breaks the grammar"):
         SequenceGrammar(compiled).sync(hf.encode("zzz", add_special_tokens=False))
