@@ -220,3 +220,61 @@ def test_matcher_rebuilds_when_the_output_is_not_an_extension(llm):
     assert allowed == engine.runner.eos_token_ids  # "negative" is complete: only EOS
     with pytest.raises(RuntimeError, match="breaks the grammar"):
         SequenceGrammar(compiled).sync(hf.encode("zzz", add_special_tokens=False))
+
+
+@pytest.fixture(scope="module")
+def tiny_deepseek(tmp_path_factory):
+    from engine.checkpoint_maker import make_random_checkpoint
+
+    return make_random_checkpoint(tmp_path_factory.mktemp("ds") / "m", preset="tiny", seed=3)
+
+
+def test_mtp_drafts_are_checked_against_the_grammar(tiny_deepseek):
+    """With MTP drafts, greedy constrained rows equal the same rows without drafts (a
+    permissive grammar lets drafts through to verification, a strict one refuses most),
+    sampled ones stay valid, and every emitted token has its logprob."""
+    plain = LLM(str(tiny_deepseek), dtype="float32")
+    spec = LLM(str(tiny_deepseek), dtype="float32", speculative_tokens=3)
+    prompts = [[5, 9, 13, 2, 7], [40, 41], list(range(10, 30))]
+    for regex in (r"(?s:.){1,25}", r"[a-f]{3,12}(-[0-9]{1,3}){0,4}"):
+        fmt = {"type": "regex", "regex": regex}
+        greedy = SamplingParams(temperature=0.0, max_tokens=30, response_format=fmt, logprobs=1)
+        want = [o.outputs[0] for o in plain.generate(prompts, greedy)]
+        got = [o.outputs[0] for o in spec.generate(prompts, greedy)]
+        assert [c.token_ids for c in got] == [c.token_ids for c in want]
+        for a, b in zip(got, want):
+            assert [e.logprob for e in a.logprobs] == pytest.approx(
+                [e.logprob for e in b.logprobs], abs=1e-5
+            )
+        sampled = [SamplingParams(temperature=1.0, seed=s, max_tokens=30, response_format=fmt)
+                   for s in range(3)]  # fmt: skip
+        for o in spec.generate(prompts, sampled):
+            c = o.outputs[0]
+            if c.finish_reason == "stop":
+                assert re.fullmatch(regex, c.text, re.S), c.text
+    assert spec.speculative_stats()["sequence_steps"] > 0  # drafts were verified
+
+
+def test_draft_masks_stop_at_the_first_refused_draft(llm):
+    from engine.sequence import Sequence
+    from engine.spec_decode.speculator import MtpSpeculator
+    from engine.structured_output.matcher import SequenceGrammar
+
+    engine = llm.engine
+    hf = engine.tokenizer.hf
+    spec = grammar_spec({"type": "choice", "choice": ["positive", "negative"]})
+    seq = Sequence("r", 0, [0, 5], SamplingParams(response_format={"type": "text"}), None)
+    seq.grammar = SequenceGrammar(engine.grammars.compile(spec))
+    word = hf.encode("positive", add_special_tokens=False)
+    assert len(word) >= 4
+    seq.token_ids.append(word[0])
+    seq.draft_tokens = [word[1], word[2], hf.encode("zz", add_special_tokens=False)[0], word[0]]
+    vocab = engine.runner.vocab_size
+    masks, k = MtpSpeculator._grammar_masks(None, seq, vocab)
+    assert k == 2 and masks.shape[0] == 3
+    assert seq.grammar.num_accepted == 1  # rolled back to the sequence's own output
+    from kernels.reference.token_mask import unpack_bitmask
+
+    allowed = unpack_bitmask(masks, vocab)
+    for j in range(3):
+        assert allowed[j, word[j + 1]] and int(allowed[j].sum()) < vocab
