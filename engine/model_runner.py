@@ -95,6 +95,7 @@ class ModelRunner:
                 scratch_block=self.blocks.reserved[0],
                 main_stream_first=config.cuda.main_stream_first,
                 scratch_state_slot=num_state_slots if num_state_slots else None,
+                vocab_size=self.vocab_size,
             )
 
     @property
@@ -286,7 +287,9 @@ class ModelRunner:
         yet; its pending tokens are this step's inputs."""
         seqs = batch.seqs
         on_graph = self._replays(seqs)
-        chained = previous is not None and previous.device_rows and on_graph
+        # A grammar's mask for this step needs the previous step's tokens on the host.
+        constrained = any(s.grammar is not None for s in seqs)
+        chained = previous is not None and previous.device_rows and on_graph and not constrained
         if previous is not None and not chained:
             previous.write_tokens()  # this step reads its inputs on the host
         positions = [len(s) for s in seqs]
@@ -310,7 +313,6 @@ class ModelRunner:
             and self.graphs.fits(len(seqs))
             and self.routing_recorder is None
             and not any(self.banned_tokens(s) or s.params.penalized for s in seqs)
-            and self.graphs.serves(seqs)
         )
 
     def _run_eager(self, batch: ScheduledBatch) -> dict[int, list[int]]:

@@ -13,14 +13,18 @@ def grammar_bitmask(
     rows: list[Sequence], vocab_size: int, pin: bool = False
 ) -> tuple[torch.Tensor | None, list[bool] | None]:
     """(bitmask [N, ceil(V/32)] int32, constrained [N]) for rows that sample next; (None,
-    None) when no row has a grammar. Each grammar first catches up with its sequence's
-    output; a free row's words are all ones (every token allowed)."""
-    constrained = [seq.grammar is not None for seq in rows]
-    if not any(constrained):
+    None) when no row has a grammar."""
+    if not any(seq.grammar is not None for seq in rows):
         return None, None
-    bitmask = torch.full((len(rows), -(-vocab_size // 32)), -1, dtype=torch.int32)
-    if pin:
-        bitmask = bitmask.pin_memory()
+    bitmask = torch.empty((len(rows), -(-vocab_size // 32)), dtype=torch.int32, pin_memory=pin)
+    return bitmask, fill_grammar_bitmask(rows, bitmask)
+
+
+def fill_grammar_bitmask(rows: list[Sequence], bitmask: torch.Tensor) -> list[bool]:
+    """Write the rows' masks into bitmask [N, W] (a contiguous CPU int32 tensor) and
+    return which rows are constrained. Each grammar first catches up with its sequence's
+    output; a free row's words are all ones (every token allowed)."""
+    bitmask.fill_(-1)
     pairs = []
     for i, seq in enumerate(rows):
         if seq.grammar is not None:
@@ -28,11 +32,11 @@ def grammar_bitmask(
             pairs.append((seq.grammar.matcher, i))
     if len(pairs) == 1:
         rows[pairs[0][1]].grammar.fill(bitmask, pairs[0][1])
-    else:  # llguidance's threads fill the rows in parallel, without the GIL
+    elif pairs:  # llguidance's threads fill the rows in parallel, without the GIL
         import llguidance.torch
 
         llguidance.torch.fill_next_token_bitmask_par(_executor(), pairs, bitmask)
-    return bitmask, constrained
+    return [seq.grammar is not None for seq in rows]
 
 
 @lru_cache(maxsize=1)
