@@ -278,3 +278,31 @@ def test_draft_masks_stop_at_the_first_refused_draft(llm):
     allowed = unpack_bitmask(masks, vocab)
     for j in range(3):
         assert allowed[j, word[j + 1]] and int(allowed[j].sum()) < vocab
+
+
+def test_decode_graph_inputs_carry_the_grammar_mask(llm):
+    """The graphs' static mask buffers after a fill: the constrained row's words are its
+    grammar's mask, the free row and the padding are flagged off."""
+    from engine.cuda_graph_runner import DecodeInputs
+    from engine.sequence import Sequence
+    from engine.structured_output.matcher import SequenceGrammar
+    from kernels.reference.token_mask import unpack_bitmask
+
+    engine = llm.engine
+    vocab = engine.runner.vocab_size
+    inputs = DecodeInputs(4, 3, 4, 9, torch.device("cpu"), vocab_size=vocab)
+    constrained = Sequence("a", 0, [5, 6, 7], _params({"type": "choice", "choice": CHOICES}), 1)
+    constrained.grammar = SequenceGrammar(
+        engine.grammars.compile(grammar_spec({"type": "choice", "choice": CHOICES}))
+    )
+    free = Sequence("b", 0, [8, 9], SamplingParams(temperature=0.0), None)
+    for seq in (constrained, free):
+        seq.block_table, seq.num_computed = [0], len(seq) - 1
+    inputs.fill([constrained, free], 4)
+    assert inputs.constrained.tolist() == [1, 0, 0, 0]
+    allowed = unpack_bitmask(inputs.bitmask[:1], vocab)[0]
+    firsts = {engine.tokenizer.hf.encode(c, add_special_tokens=False)[0] for c in CHOICES}
+    assert set(torch.nonzero(allowed).flatten().tolist()) >= firsts
+    assert int(allowed.sum()) < vocab
+    inputs.fill([free], 2)  # a later step without grammars clears the flags
+    assert inputs.constrained.tolist() == [0, 0, 0, 0]
