@@ -58,6 +58,8 @@ class ResultRow:
     seed: int | None
     carry: dict[str, Any]
     seq: int = 0  # input position: used for `order: input`, not written
+    # writer.LOGPROB_STRUCT dicts, one per generated token (None: not requested)
+    logprobs: list[dict] | None = None
 
     @property
     def ok(self) -> bool:

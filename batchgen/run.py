@@ -97,6 +97,17 @@ class RunOutcome:
     stats: RunStats | None = None
 
 
+def logprob_records(entries) -> list[dict] | None:
+    """The results' `logprobs` column value of a completion (engine TokenLogprob list)."""
+    if entries is None:
+        return None
+
+    def record(e) -> dict:
+        return {"token": e.token, "token_id": e.token_id, "bytes": e.bytes, "logprob": e.logprob}
+
+    return [{**record(e), "top_logprobs": [record(t) for t in e.top]} for e in entries]
+
+
 def _error_results(
     row: PreparedRow, n_indexes: Iterable[int], error_type: str, message: str
 ) -> list[ResultRow]:
@@ -192,6 +203,7 @@ class _Loop:
                 seed=pending.seeds[k],
                 carry=row.carry,
                 seq=row.seq,
+                logprobs=logprob_records(completion.logprobs),
             )
             self.engine.row_ok()
             if self.feed.suspects:
