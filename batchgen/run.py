@@ -74,6 +74,26 @@ def save_routing_stats(run_dir: RunDir, session: str, summary: dict | None) -> N
     tmp.replace(path)
 
 
+def check_response_format(job: JobSpec, llm) -> None:
+    """Compile the job's sampling.response_format once before any work: a schema or regex
+    that does not compile refuses the job (JobError, exit 2), not every row."""
+    engine = getattr(llm, "engine", None)
+    grammars = getattr(engine, "grammars", None)
+    s = job.sampling
+    if grammars is None or s.response_format is None:
+        return
+    from engine.structured_output import grammar_spec
+    from engine.structured_output.compiler import GrammarError
+
+    spec = grammar_spec(s.response_format, s.json_whitespace)
+    if spec is None:
+        return
+    try:
+        grammars.compile(spec)
+    except GrammarError as exc:
+        raise JobError(f"sampling.response_format: {exc}") from None
+
+
 def make_renderer(ctx: JobContext, llm) -> PromptRenderer:
     if llm.tokenizer is None:
         raise JobError(
@@ -375,6 +395,7 @@ def _run_locked(
             return RunOutcome(code, run_dir.path, message)
     if llm is None:
         llm = load_llm(job)
+    check_response_format(job, llm)
     recording = start_routing_stats(job, llm)
     renderer = make_renderer(ctx, llm)
 

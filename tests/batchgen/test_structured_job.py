@@ -76,3 +76,13 @@ def test_bad_sampling_keys_are_job_errors(make_job, sampling, words):
     job, _ = make_job(sampling=sampling)
     with pytest.raises(JobError, match=words):
         parse_job(job)
+
+
+def test_a_job_schema_that_does_not_compile_refuses_the_job(make_job, tiny_model_dir, tmp_path):
+    bad = {"type": "json_schema",
+           "json_schema": {"name": "x", "schema": {"type": "object", "properties": {"a": {"type": "frobnicate"}}}}}  # fmt: skip
+    job, path = make_job(model=str(tiny_model_dir), sampling={"response_format": bad})
+    progress = Progress(None, tty=False, interval=3600, stream=_Quiet())
+    with pytest.raises(JobError, match="sampling.response_format.*frobnicate"):
+        run_job(parse_job(job), path, llm=LLM(str(tiny_model_dir), device="cpu"), progress=progress)
+    assert not (tmp_path / "run" / "results").exists()  # nothing was written
