@@ -2,6 +2,8 @@
 
     python scripts/grammar_library_timing.py [MODEL]      (default: smollm2-135m-instruct)
 
+Needs both libraries (`pip install xgrammar llguidance`); the engine uses only llguidance.
+
 For each grammar (JSON schemas, json_object, a regex, a choice list) it times: the first
 compile on a fresh compiler, and over a valid output tokenized by the model's tokenizer the
 mean time to fill one bitmask row and accept one token. The numbers went into
