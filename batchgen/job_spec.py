@@ -159,12 +159,37 @@ class SamplingSpec(_Section):
             )
         return self
 
+    presence_penalty: float = Field(0.0, ge=-2, le=2)
+    frequency_penalty: float = Field(0.0, ge=-2, le=2)
+    logprobs: bool = Field(False, description="each generated token's logprob in the results")
+    top_logprobs: int | None = Field(
+        None, ge=0, le=20, description="with logprobs: the k most likely tokens at each position"
+    )
+    response_format: dict | None = Field(
+        None, description="OpenAI response_format (json_schema, json_object), regex or choice"
+    )
+    json_whitespace: bool = Field(False, description="JSON grammars allow free whitespace")
+
     @model_validator(mode="before")
     @classmethod
     def _stop_as_list(cls, data: object) -> object:
         if isinstance(data, dict) and isinstance(data.get("stop"), str):
             data = {**data, "stop": [data["stop"]]}
         return data
+
+    @model_validator(mode="after")
+    def _check_structured(self) -> SamplingSpec:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise ValueError("sampling.top_logprobs needs sampling.logprobs: true")
+        from engine.structured_output import grammar_spec
+
+        grammar_spec(self.response_format, self.json_whitespace)  # ValueError naming the key
+        return self
+
+    @property
+    def engine_logprobs(self) -> int | None:
+        """SamplingParams.logprobs: None off, else the number of top alternatives."""
+        return (self.top_logprobs or 0) if self.logprobs else None
 
 
 class BatchingSpec(_Section):

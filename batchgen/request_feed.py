@@ -49,6 +49,11 @@ def sampling_params(job: JobSpec, seed: int, row: PreparedRow | None = None):
         max_tokens=s.max_tokens,
         stop=list(s.stop or []),
         seed=seed,
+        presence_penalty=s.presence_penalty,
+        frequency_penalty=s.frequency_penalty,
+        logprobs=s.engine_logprobs,
+        response_format=s.response_format,
+        json_whitespace=s.json_whitespace,
     )
 
 

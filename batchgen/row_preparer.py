@@ -80,10 +80,10 @@ class RowPreparer:
         try:
             if self.parse is not None:
                 request = self.parse(row.values[REQUEST])
-                sampling = self._sampling(resolve(self.base, request.params))
+                sampling = resolve(self.base, request.params)
                 self._fill(prepared, request, sampling)
                 return prepared
-            sampling = self._sampling(resolve(self.base, self._column_params(row)))
+            sampling = resolve(self.base, self._column_params(row))
             if self.template is not None:
                 prepared = self.template.prepare(
                     row,
@@ -103,14 +103,6 @@ class RowPreparer:
             (param, row.values.get(column), f"column '{column}' ({param})")
             for param, column in self.from_columns.items()
         ]
-
-    def _sampling(self, sampling: RowSampling) -> RowSampling:
-        missing = sampling.unsupported()
-        if missing:
-            raise RequestError(
-                missing[0], "this engine build cannot honour it yet", "unsupported_parameter"
-            )
-        return sampling
 
     def _chat_row(self, row: InputRow) -> BatchRequest:
         column = self.messages_column

@@ -10,16 +10,6 @@ from typing import Any
 
 from batchgen.job_spec import SamplingSpec
 
-# Engine fields a row may set that an engine build might not have yet, with the value
-# that means "off": a row asking for anything else from such an engine is an error row,
-# never silently sampled without it.
-OPTIONAL_ENGINE_FIELDS = {
-    "presence_penalty": 0.0,
-    "frequency_penalty": 0.0,
-    "logprobs": None,
-    "response_format": None,
-}
-
 
 @dataclass(frozen=True, slots=True)
 class RowSampling:
@@ -35,12 +25,11 @@ class RowSampling:
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # None: off; k: the sampled token's logprob and the top k
     response_format: dict | None = None  # OpenAI's shape, or {"type": "regex" | "choice"}
+    json_whitespace: bool = False  # job-level only: JSON grammars allow free whitespace
 
     @classmethod
     def from_job(cls, spec: SamplingSpec) -> RowSampling:
-        """The job's parameters (job-level values of the optional fields when the job
-        spec has them)."""
-        optional = {name: getattr(spec, name, off) for name, off in OPTIONAL_ENGINE_FIELDS.items()}
+        """The job's parameters."""
         return cls(
             n=spec.n,
             temperature=spec.temperature,
@@ -50,30 +39,21 @@ class RowSampling:
             max_tokens=spec.max_tokens,
             stop=tuple(spec.stop or ()),
             seed=spec.seed,
-            **optional,
+            presence_penalty=spec.presence_penalty,
+            frequency_penalty=spec.frequency_penalty,
+            logprobs=spec.engine_logprobs,
+            response_format=spec.response_format,
+            json_whitespace=spec.json_whitespace,
         )
 
     def replace(self, **changes: Any) -> RowSampling:
         return dataclasses.replace(self, **changes)
-
-    def unsupported(self) -> list[str]:
-        """The parameters this row sets that the engine's SamplingParams has no field for."""
-        from engine import SamplingParams
-
-        have = {f.name for f in dataclasses.fields(SamplingParams)}
-        return [
-            name
-            for name, off in OPTIONAL_ENGINE_FIELDS.items()
-            if name not in have and getattr(self, name) != off
-        ]
 
     def engine_params(self, seed: int):
         """The engine's SamplingParams of one completion (n=1: the feed sends a row's n
         completions as n requests, each with its own derived seed)."""
         from engine import SamplingParams
 
-        have = {f.name for f in dataclasses.fields(SamplingParams)}
-        optional = {name: getattr(self, name) for name in OPTIONAL_ENGINE_FIELDS if name in have}
         return SamplingParams(
             n=1,
             temperature=self.temperature,
@@ -83,5 +63,9 @@ class RowSampling:
             max_tokens=self.max_tokens,
             stop=list(self.stop),
             seed=seed,
-            **optional,
+            presence_penalty=self.presence_penalty,
+            frequency_penalty=self.frequency_penalty,
+            logprobs=self.logprobs,
+            response_format=self.response_format,
+            json_whitespace=self.json_whitespace,
         )

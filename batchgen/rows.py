@@ -64,6 +64,8 @@ class ResultRow:
     carry: dict[str, Any]
     seq: int = 0  # input position: used for `order: input`, not written
     cached_prompt_tokens: int = 0  # prompt tokens read from the engine's prefix cache
+    # writer.LOGPROB_STRUCT dicts, one per generated token (None: not requested)
+    logprobs: list[dict] | None = None
 
     @property
     def ok(self) -> bool:

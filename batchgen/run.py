@@ -74,6 +74,26 @@ def save_routing_stats(run_dir: RunDir, session: str, summary: dict | None) -> N
     tmp.replace(path)
 
 
+def check_response_format(job: JobSpec, llm) -> None:
+    """Compile the job's sampling.response_format once before any work: a schema or regex
+    that does not compile refuses the job (JobError, exit 2), not every row."""
+    engine = getattr(llm, "engine", None)
+    grammars = getattr(engine, "grammars", None)
+    s = job.sampling
+    if grammars is None or s.response_format is None:
+        return
+    from engine.structured_output import grammar_spec
+    from engine.structured_output.compiler import GrammarError
+
+    spec = grammar_spec(s.response_format, s.json_whitespace)
+    if spec is None:
+        return
+    try:
+        grammars.compile(spec)
+    except GrammarError as exc:
+        raise JobError(f"sampling.response_format: {exc}") from None
+
+
 def make_renderer(ctx: JobContext, llm) -> RowPreparer:
     if llm.tokenizer is None:
         raise JobError(
@@ -89,6 +109,17 @@ class RunOutcome:
     run_dir: Path
     message: str
     stats: RunStats | None = None
+
+
+def logprob_records(entries) -> list[dict] | None:
+    """The results' `logprobs` column value of a completion (engine TokenLogprob list)."""
+    if entries is None:
+        return None
+
+    def record(e) -> dict:
+        return {"token": e.token, "token_id": e.token_id, "bytes": e.bytes, "logprob": e.logprob}
+
+    return [{**record(e), "top_logprobs": [record(t) for t in e.top]} for e in entries]
 
 
 def _error_results(
@@ -205,6 +236,7 @@ class RunLoop:
                 carry=row.carry,
                 seq=row.seq,
                 cached_prompt_tokens=completion.cached_prompt_tokens,
+                logprobs=logprob_records(completion.logprobs),
             )
             self.engine.row_ok()
             if self.feed.suspects:
@@ -370,6 +402,7 @@ def _run_locked(
         return finished
     if llm is None:
         llm = load_llm(job)
+    check_response_format(job, llm)
     recording = start_routing_stats(job, llm)
     renderer = make_renderer(ctx, llm)
 

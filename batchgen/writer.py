@@ -20,6 +20,16 @@ from batchgen.part_check import METADATA_KEY, file_checksum, part_metadata
 from batchgen.rows import ResultRow
 from batchgen.run_dir import ManifestEntry, RunDir, fsync_dir, tmp_name
 
+_TOP_LOGPROB_FIELDS = [
+    pa.field("token", pa.string()),
+    pa.field("token_id", pa.int32()),
+    pa.field("bytes", pa.binary()),
+    pa.field("logprob", pa.float64()),
+]
+LOGPROB_STRUCT = pa.struct(
+    [*_TOP_LOGPROB_FIELDS, pa.field("top_logprobs", pa.list_(pa.struct(_TOP_LOGPROB_FIELDS)))]
+)
+
 RESULT_FIELDS = [
     # The id's type is the input id column's (see result_schema); string is the default.
     pa.field("id", pa.string(), nullable=False),
@@ -35,6 +45,8 @@ RESULT_FIELDS = [
     pa.field("error", pa.string()),
     pa.field("error_type", pa.string()),
     pa.field("seed", pa.int64()),
+    # per generated token, null unless the job asks for sampling.logprobs
+    pa.field("logprobs", pa.list_(LOGPROB_STRUCT)),
     pa.field("model", pa.string()),
     pa.field("job_fingerprint", pa.string()),
 ]
@@ -192,6 +204,7 @@ def results_table(
         "error": [r.error for r in rows],
         "error_type": [r.error_type for r in rows],
         "seed": [r.seed for r in rows],
+        "logprobs": [r.logprobs for r in rows],
         "model": [model] * len(rows),
         "job_fingerprint": [fingerprint] * len(rows),
     }

@@ -36,7 +36,10 @@ from torch import nn
 
 from engine.backends.cuda.host_func import raise_host_failures
 from engine.ops.attention_context import AttentionContext
+from engine.sampler import SampledLogprobs
+from engine.sampling_params import MAX_TOP_LOGPROBS
 from engine.sequence import PENDING_TOKEN, Sequence
+from engine.structured_output.bitmask import fill_grammar_bitmask
 
 log = logging.getLogger(__name__)
 
@@ -82,6 +85,7 @@ class DecodeInputs:
         scratch_block: int,
         device: torch.device,
         scratch_state_slot: int | None = None,
+        vocab_size: int = 0,
     ) -> None:
         pin = device.type == "cuda"
         self.max_batch, self.max_blocks = max_batch, max_blocks
@@ -99,6 +103,13 @@ class DecodeInputs:
         self._ints, self._floats = self.host_ints.numpy(), self.host_floats.numpy()
         self._tables = self.host_tables.numpy()
         self._set = 0  # which staging set the next fill writes
+        # Grammar masks (engine/structured_output/): a row's bitmask words and whether it
+        # is constrained; a free row is skipped by the mask kernel after reading its flag.
+        words = -(-vocab_size // 32)
+        self.host_bitmask = torch.zeros(2, max_batch, words, dtype=torch.int32, pin_memory=pin)
+        self.host_constrained = torch.zeros(2, max_batch, dtype=torch.int32, pin_memory=pin)
+        self.bitmask = torch.zeros(max_batch, words, dtype=torch.int32, device=device)
+        self.constrained = torch.zeros(max_batch, dtype=torch.int32, device=device)
 
     def fill(
         self, seqs: list[Sequence], bucket: int, pending_rows: dict[int, int] | None = None
@@ -157,6 +168,14 @@ class DecodeInputs:
         self.ints.copy_(self.host_ints[k], non_blocking=True)
         self.floats.copy_(self.host_floats[k], non_blocking=True)
         self.tables[:bucket].copy_(self.host_tables[k, :bucket], non_blocking=True)
+        flags = self.host_constrained[k]
+        flags.zero_()
+        if any(seq.grammar is not None for seq in seqs):
+            # the grammars need this step's input tokens: none of them may be pending
+            constrained = fill_grammar_bitmask(seqs, self.host_bitmask[k, :n])
+            flags[:n] = torch.tensor(constrained, dtype=torch.int32)
+            self.bitmask[:n].copy_(self.host_bitmask[k, :n], non_blocking=True)
+        self.constrained.copy_(flags, non_blocking=True)
 
     def input_ids(self, bucket: int) -> torch.Tensor:
         """The step's input tokens, pending ones gathered from `sampled` (inside the graph)."""
@@ -223,6 +242,7 @@ class CudaGraphRunner:
         scratch_block: int,
         main_stream_first: bool,
         scratch_state_slot: int | None = None,
+        vocab_size: int = 0,
     ) -> None:
         if device.type != "cuda":
             raise ValueError("CUDA graphs need a CUDA device")
@@ -233,10 +253,20 @@ class CudaGraphRunner:
         self.buckets = capture_buckets(max_num_seqs)
         max_blocks = -(-max_model_len // block_size)
         self.inputs = DecodeInputs(
-            self.buckets[-1], max_blocks, block_size, scratch_block, device, scratch_state_slot
-        )
+            self.buckets[-1], max_blocks, block_size, scratch_block, device, scratch_state_slot,
+            vocab_size,
+        )  # fmt: skip
         self.graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.tokens: dict[int, torch.Tensor] = {}
+        # Graphs that also return logprobs, captured on the first step that asks for them
+        # (a run without logprobs never pays for the log_softmax and top-k): by bucket,
+        # the graph and its (sampled logprob [B], top logprobs [B, K], top ids [B, K]).
+        self.logprob_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.logprob_outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        self._pool = None
+        self._host_logprobs = torch.zeros(
+            2, self.buckets[-1], 1 + 2 * MAX_TOP_LOGPROBS, dtype=torch.float64, pin_memory=True
+        )
         self.capture_seconds = 0.0
         # pinned host copies of the sampled tokens, two sets used in turn (see `launch`)
         self._host_tokens = torch.zeros(2, self.buckets[-1], dtype=torch.int64, pin_memory=True)
@@ -248,14 +278,22 @@ class CudaGraphRunner:
         self._equal = torch.cuda.Stream(device)
         self._capture()
 
-    def _step(self, bucket: int) -> torch.Tensor:
-        """The captured work: forward, logits, sampling -> tokens [bucket] int64, also left
-        in the shared `sampled` buffer for the next step's pending inputs."""
+    def _step(self, bucket: int, logprobs: bool = False):
+        """The captured work: forward, logits, grammar mask, sampling -> tokens [bucket]
+        int64, also left in the shared `sampled` buffer for the next step's pending inputs.
+        With `logprobs`, (tokens, logprobs [bucket, 1 + 2K] float64: the sampled token's
+        raw logprob, the top K logprobs, the top K ids), read from the unmasked logits."""
         from kernels.triton.sampling import sample
+        from kernels.triton.token_mask import apply_token_bitmask
 
         buf = self.inputs
         ctx = buf.context(bucket, self.max_model_len)
         logits = self._step_logits(buf.input_ids(bucket), buf.ints[POSITIONS, :bucket], ctx)
+        if logprobs:
+            raw = torch.log_softmax(logits.float(), dim=-1)  # [B, V], before the mask
+            top_values, top_ids = torch.topk(raw, MAX_TOP_LOGPROBS, dim=-1)  # [B, K]
+        if buf.bitmask.shape[1]:
+            apply_token_bitmask(logits, buf.bitmask[:bucket], buf.constrained[:bucket])
         tokens = sample(
             logits,
             buf.floats[TEMPERATURE, :bucket],
@@ -266,7 +304,11 @@ class CudaGraphRunner:
             buf.ints[STEPS, :bucket],
         )
         buf.sampled[:bucket].copy_(tokens)
-        return tokens
+        if not logprobs:
+            return tokens
+        chosen = raw.gather(1, tokens[:, None])  # [B, 1]
+        block = torch.cat([chosen.double(), top_values.double(), top_ids.double()], dim=1)
+        return tokens, block
 
     def recapture(self, buckets: list[int] | None = None) -> None:
         """Capture these buckets (default: all) again, for launch configs that changed since
@@ -302,9 +344,26 @@ class CudaGraphRunner:
                 self.tokens[bucket] = self._step(bucket)
             pool = graph.pool()
             self.graphs[bucket] = graph
+        self._pool = pool
         torch.cuda.synchronize(device)
         self.capture_seconds = time.perf_counter() - start
         log.info("captured decode graphs %s in %.1f s", buckets, self.capture_seconds)
+
+    @torch.inference_mode()
+    def _capture_logprobs(self, bucket: int) -> None:
+        """The bucket's graph that also returns logprobs, on padding inputs (the caller
+        fills the real ones after)."""
+        torch.cuda.synchronize(self.device)  # the staging sets may still be copying
+        self.inputs.fill([], bucket)
+        self._step(bucket, logprobs=True)  # eager once, as in _capture
+        torch.cuda.synchronize(self.device)
+        graph = torch.cuda.CUDAGraph()
+        prioritized = self.main_stream_first and bucket <= MAIN_STREAM_FIRST_MAX_BATCH
+        stream = self._first if prioritized else self._equal
+        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
+            self.logprob_outputs[bucket] = self._step(bucket, logprobs=True)
+        torch.cuda.synchronize(self.device)
+        self.logprob_graphs[bucket] = graph
 
     def fits(self, num_seqs: int) -> bool:
         """Whether a captured bucket holds a decode step of num_seqs (> 0) sequences."""
@@ -313,17 +372,29 @@ class CudaGraphRunner:
     def launch(
         self, seqs: list[Sequence], pending_rows: dict[int, int] | None = None
     ) -> Callable[[], list[int]]:
-        """Fill the inputs, replay the graph and start copying its tokens to the host; no
-        sync. Returns a function that waits for the tokens and gives them as a list."""
+        """Fill the inputs, replay the graph and start copying its tokens (and the logprobs
+        its rows ask for) to the host; no sync. Returns a function that waits for them,
+        records the logprobs on the sequences and gives the tokens as a list."""
         n = len(seqs)
         bucket = bucket_for(n, self.buckets)
         if bucket is None:
             raise ValueError(f"{n} sequences are more than the largest graph ({self.buckets[-1]})")
+        wants = [(i, seq, seq.num_output_tokens) for i, seq in enumerate(seqs)
+                 if seq.params.logprobs is not None]  # fmt: skip
+        if wants and bucket not in self.logprob_graphs:
+            self._capture_logprobs(bucket)
         self.inputs.fill(seqs, bucket, pending_rows)
-        self.graphs[bucket].replay()
         host = self._host_tokens[self._host_set, :n]
+        host_logprobs = self._host_logprobs[self._host_set, :n]
         self._host_set ^= 1  # the next launch may run before this one is read
-        host.copy_(self.tokens[bucket][:n], non_blocking=True)
+        if wants:
+            self.logprob_graphs[bucket].replay()
+            tokens, block = self.logprob_outputs[bucket]
+            host_logprobs.copy_(block[:n], non_blocking=True)
+        else:
+            self.graphs[bucket].replay()
+            tokens = self.tokens[bucket]
+        host.copy_(tokens[:n], non_blocking=True)
         done = torch.cuda.Event()
         done.record()
         for seq in seqs:
@@ -332,6 +403,13 @@ class CudaGraphRunner:
         def read() -> list[int]:
             done.synchronize()
             raise_host_failures()  # host nodes (host-resident experts) report here
+            if wants:
+                rows = host_logprobs.tolist()
+                k_all = MAX_TOP_LOGPROBS
+                for i, seq, position in wants:
+                    k, line = seq.params.logprobs, rows[i]
+                    ids = [int(t) for t in line[1 + k_all : 1 + k_all + k]]
+                    seq.logprobs[position] = SampledLogprobs(line[0], ids, line[1 : 1 + k])
             return host.tolist()
 
         return read

@@ -15,6 +15,9 @@ from engine.pending_step import PendingStep
 from engine.sampling_params import SamplingParams
 from engine.scheduler import ScheduledBatch, Scheduler
 from engine.sequence import Sequence
+from engine.structured_output.compiler import GrammarCompiler, GrammarError
+from engine.structured_output.matcher import SequenceGrammar
+from engine.token_text import TokenText
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +40,12 @@ class LLMEngine:
         self.config = config
         self.runner = ModelRunner(config)
         self.tokenizer = self.runner.source.tokenizer
+        self.grammars = GrammarCompiler(
+            self.tokenizer.hf if self.tokenizer is not None else None,
+            self.runner.vocab_size,
+            self.runner.eos_token_ids,
+        )
+        self.token_text = TokenText(self.tokenizer)
         self.max_model_len = self.runner.max_model_len
         graphs = self.runner.graphs is not None
         self.scheduler = Scheduler.for_engine(config, self.runner.blocks, decode_graphs=graphs)
@@ -90,10 +99,19 @@ class LLMEngine:
             )
         if error:
             return RequestOutput(request_id, prompt, list(prompt_token_ids), [], True, error)
+        compiled = None
+        if params.grammar is not None:
+            try:
+                compiled = self.grammars.compile(params.grammar)
+            except GrammarError as exc:
+                return RequestOutput(request_id, prompt, list(prompt_token_ids), [], True, str(exc))
         seqs = [
             Sequence(request_id, i, prompt_token_ids, params, self._sample_seed(params, i), group)
             for i in range(params.n)
         ]
+        if compiled is not None:
+            for seq in seqs:
+                seq.grammar = SequenceGrammar(compiled)
         self.requests[request_id] = _RequestState(
             request_id, prompt, list(prompt_token_ids), seqs, tag
         )
@@ -299,13 +317,17 @@ class LLMEngine:
         else:
             shown = ids[:-1] if isinstance(seq.stop_reason, int) else ids
             text = self._decode(seq, shown)
+        logprobs = None
+        if seq.params.logprobs is not None:
+            logprobs = self.token_text.entries(ids, seq.logprobs)
         return CompletionOutput(
             seq.index,
             text,
             list(ids),
             seq.finish_reason,
             seq.stop_reason,
-            seq.cached_prompt_tokens or 0,
+            cached_prompt_tokens=seq.cached_prompt_tokens or 0,
+            logprobs=logprobs,
         )
 
     def _output(self, state: _RequestState, now: float) -> RequestOutput:

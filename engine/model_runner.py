@@ -26,9 +26,10 @@ from engine.ops.attention_context import AttentionContext
 from engine.ops.device_layer import DeviceSetup
 from engine.pending_step import PendingStep
 from engine.prefix_cache import PrefixCache, cache_identity
-from engine.sampler import sample
+from engine.sampler import sample_step
 from engine.scheduler import ScheduledBatch
 from engine.sequence import PENDING_TOKEN, Sequence
+from engine.structured_output.bitmask import grammar_bitmask
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,8 @@ class ModelRunner:
         self.block_size = aligned_block_size(config.block_size, self.model.cache_specs())
         # read once: the engine checks every new token against it
         self.eos_token_ids: list[int] = self._eos_token_ids()
+        # the logits' width (grammar bitmasks are sized by it)
+        self.vocab_size = int(self.source.config.get("vocab_size") or 0)
         self.graphs = None
         self.speculator = None
         self.routing_recorder = None  # set_routing_recorder
@@ -103,6 +106,7 @@ class ModelRunner:
                 scratch_block=self.blocks.reserved[0],
                 main_stream_first=config.cuda.main_stream_first,
                 scratch_state_slot=num_state_slots if num_state_slots else None,
+                vocab_size=self.vocab_size,
             )
 
     @property
@@ -323,7 +327,9 @@ class ModelRunner:
         yet; its pending tokens are this step's inputs."""
         seqs = batch.seqs
         on_graph = self._replays(seqs)
-        chained = previous is not None and previous.device_rows and on_graph
+        # A grammar's mask for this step needs the previous step's tokens on the host.
+        constrained = any(s.grammar is not None for s in seqs)
+        chained = previous is not None and previous.device_rows and on_graph and not constrained
         if previous is not None and not chained:
             previous.write_tokens()  # this step reads its inputs on the host
         positions = [len(s) for s in seqs]
@@ -340,13 +346,13 @@ class ModelRunner:
 
     def _replays(self, seqs: list[Sequence]) -> bool:
         """Whether a decode step of these sequences replays a graph (else it runs eagerly):
-        a bucket holds them, routing is not being recorded, and no row bans tokens (the
-        graphs' sampler applies no ban)."""
+        a bucket holds them, routing is not being recorded, and no row bans tokens or
+        has penalties (the graphs' sampler applies neither)."""
         return (
             self.graphs is not None
             and self.graphs.fits(len(seqs))
             and self.routing_recorder is None
-            and not any(self.banned_tokens(s) for s in seqs)
+            and not any(self.banned_tokens(s) or s.params.penalized for s in seqs)
         )
 
     def _run_eager(self, batch: ScheduledBatch) -> dict[int, list[int]]:
@@ -364,15 +370,24 @@ class ModelRunner:
             seq.num_computed += n
         if not sampling:
             return {}
+        # built while the device runs the forward (on CUDA the launches above are async)
+        bitmask, constrained = grammar_bitmask(
+            sampling, self.vocab_size, pin=self.device.type == "cuda"
+        )
         logits = self.model.compute_logits(hidden[rows])  # [N, V]
-        banned = [self.banned_tokens(s) for s in sampling]
-        tokens = sample(
+        tokens, logprobs = sample_step(
             logits,
             [s.params for s in sampling],
             [s.sample_seed or 0 for s in sampling],
             [s.num_output_tokens for s in sampling],
-            banned,
+            output_tokens=[s.output_token_ids if s.params.penalized else [] for s in sampling],
+            bitmask=bitmask,
+            constrained=constrained,
+            banned=[self.banned_tokens(s) for s in sampling],
         )
+        for seq, entry in zip(sampling, logprobs):
+            if entry is not None:
+                seq.logprobs[seq.num_output_tokens] = entry
         return {s.seq_id: [t] for s, t in zip(sampling, tokens)}
 
     def banned_tokens(self, seq: Sequence) -> list[int]:

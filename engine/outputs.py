@@ -6,6 +6,30 @@ from dataclasses import dataclass, field
 
 
 @dataclass
+class TopLogprob:
+    """One of the most likely tokens at a position: `token` its text, `bytes` its raw
+    bytes (a token may hold part of a UTF-8 character), `logprob` natural log."""
+
+    token_id: int
+    token: str
+    bytes: bytes
+    logprob: float
+
+
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the raw distribution (the model's logits
+    at temperature 1, before penalties, filters and the grammar mask) and the k most
+    likely tokens at its position, most likely first."""
+
+    token_id: int
+    token: str
+    bytes: bytes
+    logprob: float
+    top: list[TopLogprob] = field(default_factory=list)
+
+
+@dataclass
 class CompletionOutput:
     """One of the n completions of a request."""
 
@@ -16,6 +40,8 @@ class CompletionOutput:
     stop_reason: str | int | None = None  # the stop string or token id that ended it
     # prompt tokens this completion read from the prefix cache instead of computing
     cached_prompt_tokens: int = 0
+    # one per token of token_ids when SamplingParams.logprobs is set, else None
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclass

@@ -70,6 +70,11 @@ class Sequence:
         # the distributions they were drawn from (for rejection sampling).
         self.draft_tokens: list[int] = []
         self.draft_probs: torch.Tensor | None = None
+        # Structured output: the SequenceGrammar its samples must stay inside (None: free).
+        self.grammar = None
+        # Requested logprobs of its sampled tokens (engine/sampler.SampledLogprobs), by
+        # output position; entries past the output's end (tokens cut by a stop) are unused.
+        self.logprobs: dict[int, object] = {}
 
     def generator(self, device: torch.device) -> torch.Generator | None:
         """A generator on `device` seeded by sample_seed, for the speculator's draft and

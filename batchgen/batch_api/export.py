@@ -34,7 +34,6 @@ COMPLETIONS_ENDPOINT = "/v1/completions"
 # Error types of rows the engine never ran: the request's own fault (HTTP 400).
 REQUEST_ERRORS = {
     "invalid_request",
-    "unsupported_parameter",
     "prompt_too_long",
     "empty_prompt",
     "null_input",

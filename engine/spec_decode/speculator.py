@@ -31,7 +31,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from engine.ops.attention_context import AttentionContext
-from engine.sampler import filter_logits, sample
+from engine.sampler import filter_logits, prepare_logits, sample, token_logprobs
 from engine.sequence import Sequence
 from engine.spec_decode.acceptance import AcceptanceStats, greedy_accept, rejection_sample
 from engine.spec_decode.mtp import MtpDrafter
@@ -97,26 +97,75 @@ class MtpSpeculator:
         return emitted
 
     def _emit(self, seq: Sequence, start: int, n: int, hidden, rows) -> list[int]:
-        """Tokens this sequence emits this step (none while its prompt chunk is unfinished)."""
+        """Tokens this sequence emits this step (none while its prompt chunk is unfinished).
+        A grammar keeps only its valid drafts (accepted in turn, then rolled back) and
+        masks every verified row, so an emitted token is always grammar-valid."""
         drafts = seq.draft_tokens
         if start + n - len(drafts) < len(seq):
             return []  # mid-prefill chunk
-        model = self.model
-        if not drafts:
-            logits = model.compute_logits(hidden[rows[-1:]])
-            banned = self.banned_tokens(seq)
-            return sample(
-                logits, [seq.params], [seq.sample_seed or 0], [seq.num_output_tokens], [banned]
-            )
         k = len(drafts)
-        logits = model.compute_logits(hidden[rows[-(k + 1) :]])  # [K+1, V]
+        raw = self.model.compute_logits(hidden[rows[-(k + 1) :]])  # [K+1, V]
+        masks = None
+        if seq.grammar is not None:
+            masks, k = self._grammar_masks(seq, raw.shape[-1])
+            raw = raw[: k + 1]
+        if k == 0:
+            tokens = self._sample_one(seq, raw, masks)
+        else:
+            tokens = self._verify(seq, drafts[:k], raw, masks)
+        if seq.params.logprobs is not None:
+            entries = token_logprobs(raw, tokens, [seq.params.logprobs] * len(tokens))
+            for j, entry in enumerate(entries):
+                seq.logprobs[seq.num_output_tokens + j] = entry
+        return tokens
+
+    def _grammar_masks(self, seq: Sequence, vocab: int) -> tuple[torch.Tensor, int]:
+        """(bitmask [k+1, W] for the sequence's next position and after each of its first
+        k drafts, k): the drafts kept are those up to the first the grammar refuses."""
+        grammar = seq.grammar
+        grammar.sync(seq.output_token_ids)
+        masks = torch.full((len(seq.draft_tokens) + 1, -(-vocab // 32)), -1, dtype=torch.int32)
+        grammar.fill(masks, 0)
+        k = 0
+        for draft in seq.draft_tokens:
+            if not grammar.try_accept(draft):
+                break
+            k += 1
+            grammar.fill(masks, k)
+        grammar.rollback(k)
+        return masks[: k + 1], k
+
+    def _prepared(self, seq: Sequence, raw: torch.Tensor, masks, drafts: list[int]):
+        """Row j's logits after the penalties (counting drafts[:j] as generated), the
+        grammar mask and the token ban."""
+        rows = raw.shape[0]
+        outputs = seq.output_token_ids
+        history = [outputs + drafts[:j] for j in range(rows)] if seq.params.penalized else None
+        return prepare_logits(
+            raw,
+            [seq.params] * rows,
+            history,
+            masks,
+            [True] * rows if masks is not None else None,
+            [self.banned_tokens(seq)] * rows,
+        )
+
+    def _sample_one(self, seq: Sequence, raw: torch.Tensor, masks) -> list[int]:
+        logits = self._prepared(seq, raw, masks, [])  # raw: the one row after the last token
+        return sample(logits, [seq.params], [seq.sample_seed or 0], [seq.num_output_tokens])
+
+    def _verify(self, seq: Sequence, drafts: list[int], raw: torch.Tensor, masks) -> list[int]:
+        logits = self._prepared(seq, raw, masks, drafts)  # [K+1, V]
         draft = torch.tensor([drafts], device=logits.device)
         if seq.params.greedy:
             result = greedy_accept(draft, logits[None])
         else:
             target = torch.stack([filter_logits(row, seq.params) for row in logits])
             result = rejection_sample(
-                draft, seq.draft_probs[None], target[None], generator=seq.generator(logits.device)
+                draft,
+                seq.draft_probs[None, : len(drafts)],
+                target[None],
+                generator=seq.generator(logits.device),
             )
         self.stats.update(result)
         return result.tokens[0]

@@ -126,7 +126,7 @@ def default_llm(default_model_llm):
     return default_model_llm
 
 
-@pytest.mark.parametrize("name", ["translate", "summarize", "dataset"])
+@pytest.mark.parametrize("name", ["translate", "summarize", "dataset", "dataset_json"])
 def test_sample_job_runs_every_id_once(name, default_llm, tmp_path):
     """Each sample job as committed, on its first rows and with short completions."""
     job = yaml.safe_load((REPO / "jobs" / f"{name}.yaml").read_text())
