@@ -31,7 +31,6 @@ LOGPROBS = pa.list_(
 CARRY = [
     pa.field("request_model", pa.string()),
     pa.field("endpoint", pa.string()),
-    pa.field("logprobs", LOGPROBS),
 ]
 FINGERPRINT = "f" * 16
 

@@ -30,6 +30,7 @@ BENCHMARKS = {
     "ray",
     "routing",
     "step-tune",
+    "structured",
     "v4-kernels",
 }
 
