@@ -84,21 +84,25 @@ def host_experts_part(
     expert is on the device add nothing here. Inputs that already are contiguous float32
     (x, weights) and int32/int64 (ids) CPU tensors, as the CUDA backend's pinned buffers
     are, go to the kernel as they are."""
-    xf = _host_tensor(x.detach(), (torch.float32,))
+    xf = _host_tensor(x, _FLOAT32)
     if out is None:
         out = torch.empty(xf.shape, dtype=torch.float32)
     return experts.host.forward(
-        xf,
-        _host_tensor(weights.detach(), (torch.float32,)),
-        _host_tensor(ids, (torch.int32, torch.int64)),
-        experts.swiglu_limit,
-        out,
+        xf, _host_tensor(weights, _FLOAT32), _host_tensor(ids, _IDS), experts.swiglu_limit, out
     )
 
 
+_FLOAT32 = (torch.float32,)
+_IDS = (torch.int32, torch.int64)
+
+
 def _host_tensor(t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
-    """t as a contiguous CPU tensor of one of `dtypes` (the first if it must convert)."""
-    if t.dtype not in dtypes or t.device.type != "cpu":
+    """t as a contiguous CPU tensor of one of `dtypes` (the first if it must convert),
+    without grad; the same object when it already is one (the kernel then recognises a
+    CUDA graph's pinned buffers from call to call)."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.dtype not in dtypes or not t.is_cpu:
         t = t.to("cpu", dtypes[0])
     return t if t.is_contiguous() else t.contiguous()
 

@@ -318,3 +318,19 @@ def test_bad_input_names_the_tensor():
         ids = torch.tensor([[0], [0]])
         host_experts_forward(experts, x.repeat(2, 1), ids, torch.ones(2, 1), None,
                              torch.empty(64, 2).t())  # fmt: skip
+
+
+def test_reused_tensors_are_read_afresh_at_every_call():
+    # the same tensor objects at every call, as a CUDA graph's pinned buffers are: their
+    # new contents are what counts
+    stored = _stored(quantize_mxfp4, 3, 64, 32, seed=91)
+    experts = _host(HostMxfp4Experts, stored)
+    x, ids, weights = _inputs(4, 2, 3, 64, seed=92)
+    out = poisoned(x.shape, torch.float32, "cpu")
+    for call in range(3):
+        g = torch.Generator().manual_seed(93 + call)
+        x.copy_(torch.randn(x.shape, generator=g))
+        ids.copy_(torch.randint(-1, 3, ids.shape, generator=g, dtype=torch.int32))
+        host_experts_forward(experts, x, ids, weights, None, out)
+        fresh = _forward(experts, x.clone(), ids.clone(), weights.clone(), None)
+        assert torch.equal(out, fresh), call
