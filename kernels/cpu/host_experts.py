@@ -1,6 +1,7 @@
 """Routed experts that live in host RAM, computed on the CPU in their stored precision:
-MXFP4 experts (DeepSeek-V4) as int8 dot products, FP8 experts (V3, `expert_dtype: fp8`) in
-float32. No engine imports: the engine's host-expert backend calls `host_experts_forward`.
+MXFP4 experts (DeepSeek-V4) as int8 dot products (or in float32 for float32 models), FP8
+experts (V3, `expert_dtype: fp8`) in float32. No engine imports: the engine's host-expert
+store (engine/layers/host_experts.py) calls `host_experts_routed`.
 
 Layout (`HostMxfp4Experts`, re-laid once by `put` from the checkpoint's
 gate/up [I, D/2] + [I, D/32] and down [D, I/2] + [D, I/32], R = ROWS = 4):
@@ -22,9 +23,21 @@ goes through down the same way. FP8: each weight row is dequantized to float32 (
 x block scale, as kernels/formats does), activations stay float32, and the dot sums 16
 lanes (lane j: elements j, j + 16, ... in order) folded by halves (`float_dot` in
 kernels/cpu/_host_experts_kernels.py).
+MXFP4 with `float32_activations` (the exact mode, for float32 models): each weight row
+decodes exactly to float32 (E2M1 value x 2^(e - 127), what kernels/formats gives), x and
+the SwiGLU output stay float32, and the dots are `float_dot`'s, as for FP8.
 Last, out[t] = sum over k in k order of weights[t, k] * y_k. Every order depends on the
 layout alone, never on how many tokens share the call or chose the same expert: a row's
 result does not depend on its batch.
+
+One call per layer (`host_experts_routed`, global expert ids and the layer's slot_of
+map; `host_experts_forward` with host slots): one compiled function groups the pairs,
+runs gate/up with SwiGLU and down (one wake of numba's pool each; the activation
+quantization and the combine run on the calling thread at decode sizes) and combines. Its
+scratch buffers belong to the calling thread, one set per expert shape and mode, grown
+when a call needs more (engine calls of one model come one after another on one thread);
+the checks are O(1) and skipped for a tensor set seen just before (a CUDA graph's pinned
+buffers, the same objects at every replay).
 
 Threads: the kernels run in numba's thread pool (`numba.set_num_threads(n)` before a call
 sets how many of its threads take part; the pool's size is fixed at the first parallel call
