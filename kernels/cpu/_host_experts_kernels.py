@@ -620,24 +620,6 @@ def fp8_rows(w1, w2, s1, s2, act, slots, offsets, act_row, fused, limit, out):
                 p += m
 
 
-@numba.njit(
-    void(float32[:, ::1], int32[:, ::1], float32[:, ::1], float32[:, ::1]), parallel=True, **_JIT
-)
-def combine(y, pair_of, weights, out):
-    """out[t] = sum over k (in k order) of weights[t, k] * y[pair_of[t, k]], skipping
-    pair_of = -1; a token with no host pair gets zeros."""
-    tokens, top_k = pair_of.shape
-    for t in prange(tokens):
-        for d in range(out.shape[1]):
-            out[t, d] = 0.0
-        for k in range(top_k):
-            p = pair_of[t, k]
-            if p >= 0:
-                wk = weights[t, k]
-                for d in range(out.shape[1]):
-                    out[t, d] += wk * y[p, d]
-
-
 def _e2m1_values() -> np.ndarray:
     """code -> E2M1 value as float32 (bit 3 is the sign)."""
     magnitudes = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
@@ -811,7 +793,9 @@ def _combine_parallel(y, pair_of, top_k, weights, out):
 
 @numba.njit(void(float32[:, ::1], int32[::1], int64, float32[:, ::1], float32[:, ::1]), **_JIT)
 def combine_pairs(y, pair_of, top_k, weights, out):
-    """`combine` with pair_of flat [T K]; small calls on the calling thread."""
+    """out[t] = sum over k (in k order) of weights[t, k] * y[pair_of[t K + k]] (pair_of
+    -1: skipped; a token with no host pair gets zeros); up to SERIAL_VALUES values of out
+    on the calling thread, more in the pool (the same bits either way)."""
     if out.shape[0] * out.shape[1] <= SERIAL_VALUES:
         for t in range(out.shape[0]):
             _combine_token(y, pair_of, top_k, weights, t, out)
