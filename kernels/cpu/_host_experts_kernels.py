@@ -322,6 +322,87 @@ def float_dot(tokens: int):
 _FLOAT_DOT_1, _FLOAT_DOT_2, _FLOAT_DOT_3, _FLOAT_DOT_4 = (float_dot(t) for t in range(1, 5))
 
 
+_E2M1_FLOATS = [
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+]
+
+
+@intrinsic
+def _decode_row_vector(typingctx, w, w_off, sc, sc_off, blocks, rows, row):
+    """_decode_mxfp4_row's loop in AVX-512: per 32-value block, the row's 16 bytes split in
+    nibbles and vpermps looks each code up in the 16 E2M1 values (one register), times the
+    block's E8M0 scale. w_off / sc_off: element offsets of the row's first block; blocks
+    step by rows x 16 bytes and rows scales."""
+    sig = types.void(w, w_off, sc, sc_off, blocks, rows, row)
+
+    def codegen(context, builder, signature, args):
+        wa, sa, oa = (
+            context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 6)
+        )
+        w_off, sc_off, n_blocks, rows = args[1], args[3], args[4], args[5]
+        v16i8, v16i32 = ir.VectorType(_I8, 16), _V16I32
+        table = ir.Constant(_V16F32, _E2M1_FLOATS)
+        low_bits = ir.Constant(v16i32, [15] * 16)
+        four = ir.Constant(v16i32, [4] * 16)
+        entry = builder.block
+        header = builder.append_basic_block("decode.header")
+        body = builder.append_basic_block("decode.body")
+        done = builder.append_basic_block("decode.done")
+        builder.branch(header)
+        builder.position_at_end(header)
+        b = builder.phi(_I64)
+        b.add_incoming(_c64(0), entry)
+        builder.cbranch(builder.icmp_signed("<", b, n_blocks), body, done)
+        builder.position_at_end(body)
+        step = builder.mul(rows, _c64(HALF))
+        packed = _ptr_load(
+            builder, _gep(builder, wa.data, builder.add(w_off, builder.mul(b, step))), v16i8
+        )
+        codes = builder.zext(packed, v16i32)
+        e = builder.zext(
+            builder.load(_gep(builder, sa.data, builder.add(sc_off, builder.mul(b, rows)))), _I32
+        )
+        bits = builder.select(
+            builder.icmp_unsigned("==", e, ir.Constant(_I32, 0)),
+            ir.Constant(_I32, 1 << 22),
+            builder.shl(e, ir.Constant(_I32, 23)),
+        )
+        scale = builder.bitcast(bits, _F32)
+        scale16 = builder.insert_element(
+            ir.Constant(_V16F32, ir.Undefined), scale, ir.Constant(_I32, 0)
+        )
+        scale16 = builder.shuffle_vector(scale16, scale16, _mask([0] * 16))
+        for h, nib in enumerate((builder.and_(codes, low_bits), builder.lshr(codes, four))):
+            values = _x86(builder, "llvm.x86.avx512.permvar.sf.512", _V16F32, [table, nib])
+            out = _gep(builder, oa.data, builder.add(builder.mul(b, _c64(GROUP)), _c64(HALF * h)))
+            result = builder.fmul(values, scale16)
+            if getattr(out.type, "is_opaque", False):
+                builder.store(result, out, align=4)
+            else:
+                builder.store(result, builder.bitcast(out, _V16F32.as_pointer()), align=4)
+        b.add_incoming(builder.add(b, _c64(1)), body)
+        builder.branch(header)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 def _e2m1_times_two() -> np.ndarray:
     """code -> 2 x E2M1 value, an exact int8 (bit 3 is the sign)."""
     magnitudes = [0, 1, 2, 3, 4, 6, 8, 12]
@@ -637,6 +718,11 @@ E2M1_VALUES = _e2m1_values()
 def _decode_mxfp4_row(w, scales, s, rb, r, row):
     """Row r of row block rb of slot s as float32: E2M1 value x 2^(e - 127), exact (the
     float32 product kernels/formats' dequantize_mxfp4 gives)."""
+    if VNNI:
+        rows = np.int64(w.shape[3])
+        sc_off = ((s * w.shape[1] + rb) * w.shape[2]) * rows + r
+        _decode_row_vector(w, sc_off * HALF, scales, sc_off, np.int64(w.shape[2]), rows, row)
+        return
     lut = E2M1_VALUES
     e8m0 = E8M0_VALUES
     for b in range(w.shape[2]):

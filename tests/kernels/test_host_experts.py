@@ -339,3 +339,22 @@ def test_reused_tensors_are_read_afresh_at_every_call():
         host_experts_forward(experts, x, ids, weights, None, out)
         fresh = _forward(experts, x.clone(), ids.clone(), weights.clone(), None)
         assert torch.equal(out, fresh), call
+
+
+def test_float32_decode_gives_the_formats_values_exactly():
+    from kernels.formats.mxfp4 import dequantize_mxfp4
+
+    stored = _stored(quantize_mxfp4, 2, 64, 32, seed=101)
+    stored["gate_s"][1, 3, 0] = 0  # the subnormal 2^-127
+    stored["up_s"][0, 5, 1] = 254  # 2^127
+    experts = _host(HostMxfp4Experts, stored)
+    row = np.empty(64, dtype=np.float32)
+    for s in range(2):
+        for name, rows_of in (("gate", range(4)), ("up", range(4, 8))):
+            want = dequantize_mxfp4(stored[f"{name}_w"][s], stored[f"{name}_s"][s])  # [I, D]
+            for i in range(32):
+                rb, r = divmod(i, 4)
+                kernels._decode_mxfp4_row(
+                    experts.gate_up, experts.gate_up_scales, s, rb, rows_of[r], row
+                )
+                assert torch.equal(torch.from_numpy(row), want[i]), (s, name, i)
