@@ -358,16 +358,24 @@ class _SeenTensors:
     def __init__(self) -> None:
         self.entries: list[tuple] = []
 
-    def arrays(self, x, ids, weights, out):
+    def arrays(self, hidden, x, ids, weights, out):
+        """The views of a set checked before for experts of this hidden size, or None."""
         for entry in self.entries:
-            if entry[0] is x and entry[1] is ids and entry[2] is weights and entry[3] is out:
-                return entry[4]
+            if (
+                entry[0] is x
+                and entry[1] is ids
+                and entry[2] is weights
+                and entry[3] is out
+                and entry[4] == hidden
+            ):
+                return entry[5]
         return None
 
-    def remember(self, x, ids, weights, out):
+    def remember(self, hidden, x, ids, weights, out):
         arrays = (x.numpy(), ids.numpy(), weights.numpy(), out.numpy())
         if x.shape[0] <= self.MAX_TOKENS:
-            self.entries = [(x, ids, weights, out, arrays), *self.entries[: self.SIZE - 1]]
+            entry = (x, ids, weights, out, hidden, arrays)
+            self.entries = [entry, *self.entries[: self.SIZE - 1]]
         return arrays
 
 
@@ -388,6 +396,13 @@ def host_experts_routed(experts, slot_of, x, expert_ids, weights, swiglu_limit, 
     numpy (global id -> host slot, -1: computed elsewhere); x [T, D] float32; expert_ids
     [T, K] int32 or int64 global ids (-1: no expert); weights [T, K] float32; out [T, D]
     float32; contiguous CPU tensors. swiglu_limit: V4's clamp, or None."""
+    if not (
+        isinstance(slot_of, np.ndarray)
+        and slot_of.dtype == np.int32
+        and slot_of.ndim == 1
+        and slot_of.flags.c_contiguous
+    ):
+        raise TypeError(f"slot_of: expected a contiguous 1-d int32 numpy array, got {slot_of!r}")
     what = f"the layer has {slot_of.shape[0]} experts (-1: none)"
     return _run(experts, slot_of, x, expert_ids, weights, swiglu_limit, out, "expert_ids", what)
 
@@ -401,11 +416,15 @@ def host_experts_forward(experts, x, slot_ids, weights, swiglu_limit, out) -> in
 
 
 def _run(experts, slot_of, x, ids, weights, swiglu_limit, out, ids_name, what) -> int:
+    if not isinstance(experts, (HostMxfp4Experts, HostFp8Experts)):
+        raise TypeError(
+            f"experts must be HostMxfp4Experts or HostFp8Experts, got {type(experts).__name__}"
+        )
     seen = _seen_tensors()
-    arrays = seen.arrays(x, ids, weights, out)
+    arrays = seen.arrays(experts.hidden, x, ids, weights, out)
     if arrays is None:
         _check_call(experts, x, ids, weights, out, ids_name)
-        arrays = seen.remember(x, ids, weights, out)
+        arrays = seen.remember(experts.hidden, x, ids, weights, out)
     limit = np.float32(math.inf if swiglu_limit is None else swiglu_limit)
     t, top_k = ids.shape
     xn, idn, wn, outn = arrays
@@ -424,7 +443,7 @@ def _run(experts, slot_of, x, ids, weights, swiglu_limit, out, ids_name, what) -
             if code != _k.NEED_PAIRS:
                 break
             scratch.grow_pairs(value)
-    elif isinstance(experts, HostFp8Experts):
+    else:
         scratch = _scratch(experts, False)
         scratch.fit(t, top_k, experts.num_slots)
         e = experts
@@ -436,10 +455,6 @@ def _run(experts, slot_of, x, ids, weights, swiglu_limit, out, ids_name, what) -
             if code != _k.NEED_PAIRS:
                 break
             scratch.grow_pairs(value)
-    else:
-        raise TypeError(
-            f"experts must be HostMxfp4Experts or HostFp8Experts, got {type(experts).__name__}"
-        )
     if code == _k.BAD_ID:
         row, k = divmod(value, top_k)
         raise IndexError(f"{ids_name}[{row}, {k}] holds {int(ids[row, k])}: {what}")

@@ -184,6 +184,8 @@ def test_global_ids_go_through_slot_of(ids_dtype):
     with pytest.raises(IndexError, match=r"expert_ids\[3, 2\] holds 10: the layer has 10"):
         host_experts_routed(experts, slot_of, x, ids.to(ids_dtype), weights, 0.5, out)
     ids[3, 2] = 0
+    with pytest.raises(TypeError, match="slot_of: expected a contiguous 1-d int32"):
+        host_experts_routed(experts, slot_of.astype(np.int64), x, ids, weights, 0.5, out)
     slot_of[0] = 3
     with pytest.raises(IndexError, match=r"slot_of\[0\] holds 3: this layer has 3 host slots"):
         host_experts_routed(experts, slot_of, x, ids.to(ids_dtype), weights, 0.5, out)
