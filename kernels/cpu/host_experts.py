@@ -287,15 +287,32 @@ def _grown(n: int) -> int:
     return 1 << max(0, n - 1).bit_length()
 
 
-_per_thread = threading.local()
+class _ThreadState:
+    """One thread's scratch buffers (by expert shape and mode) and remembered tensors."""
+
+    def __init__(self) -> None:
+        self.scratch: dict[tuple, _Scratch] = {}
+        self.seen = _SeenTensors()
 
 
-def _scratch(experts, quantized: bool) -> _Scratch:
-    """This thread's scratch for experts of this shape and mode: the engine's host calls of
+# By OS thread id, not threading.local: the CUDA driver runs a graph's host nodes on its own
+# thread through ctypes, which gives each callback a new Python thread state (and so an
+# empty threading.local), while the thread itself, and its id, stay the same.
+_by_thread: dict[int, _ThreadState] = {}
+
+
+def _thread_state() -> _ThreadState:
+    ident = threading.get_ident()
+    state = _by_thread.get(ident)
+    if state is None:
+        state = _by_thread[ident] = _ThreadState()
+    return state
+
+
+def _scratch(state: _ThreadState, experts, quantized: bool) -> _Scratch:
+    """A thread's scratch for experts of this shape and mode: the engine's host calls of
     one model run one after another on one thread (the CUDA driver's, or the caller's)."""
-    table = getattr(_per_thread, "scratch", None)
-    if table is None:
-        table = _per_thread.scratch = {}
+    table = state.scratch
     key = (type(experts), experts.hidden, experts.intermediate, quantized)
     scratch = table.get(key)
     if scratch is None:
@@ -379,13 +396,6 @@ class _SeenTensors:
         return arrays
 
 
-def _seen_tensors() -> _SeenTensors:
-    seen = getattr(_per_thread, "seen", None)
-    if seen is None:
-        seen = _per_thread.seen = _SeenTensors()
-    return seen
-
-
 def host_experts_routed(experts, slot_of, x, expert_ids, weights, swiglu_limit, out) -> int:
     """out[t] = sum over k, in k order, of weights[t, k] * expert_ids[t, k](x[t]) for the
     experts that live here (slot_of[expert] >= 0), written (not accumulated); tokens with
@@ -420,7 +430,8 @@ def _run(experts, slot_of, x, ids, weights, swiglu_limit, out, ids_name, what) -
         raise TypeError(
             f"experts must be HostMxfp4Experts or HostFp8Experts, got {type(experts).__name__}"
         )
-    seen = _seen_tensors()
+    state = _thread_state()
+    seen = state.seen
     arrays = seen.arrays(experts.hidden, x, ids, weights, out)
     if arrays is None:
         _check_call(experts, x, ids, weights, out, ids_name)
@@ -431,7 +442,7 @@ def _run(experts, slot_of, x, ids, weights, swiglu_limit, out, ids_name, what) -
     call = (slot_of, idn, wn, xn, limit, outn)
     if isinstance(experts, HostMxfp4Experts):
         exact = experts.float32_activations
-        scratch = _scratch(experts, not exact)
+        scratch = _scratch(state, experts, not exact)
         scratch.fit(t, top_k, experts.num_slots)
         e = experts
         while True:
@@ -444,7 +455,7 @@ def _run(experts, slot_of, x, ids, weights, swiglu_limit, out, ids_name, what) -
                 break
             scratch.grow_pairs(value)
     else:
-        scratch = _scratch(experts, False)
+        scratch = _scratch(state, experts, False)
         scratch.fit(t, top_k, experts.num_slots)
         e = experts
         while True:
