@@ -1,12 +1,14 @@
 """numba kernels behind kernels/cpu/host_experts.py. Layouts and the order of every float
-sum are described there; this file holds the loops, and the LLVM IR of the VNNI inner loop.
+sum are described there; this file holds the loops, the LLVM IR of the VNNI inner loop and
+of the float32 decode, and the one-call drivers (`mxfp4_forward`, `fp8_forward`).
 
 Everything a cached kernel calls lives in this one file: numba's cache is keyed on the
 source file that defines the cached function, so an edit to a helper in another file would
 leave a stale compiled kernel in the cache.
 
-Every function is compiled for one explicit signature (cache=True: a process loads it from
-numba's cache after the first compile). Parallel loops run over work items of one
+Every function is compiled for explicit signatures, one each except the drivers (int32 or
+int64 expert ids) and the inlined `_group_pairs`, typed by them (cache=True: a process
+loads them from numba's cache after the first compile). Parallel loops run over work items of one
 (expert, block of output rows) each, so the thread count and the split change no bits: each
 output element is computed by one thread, in an order fixed by the layout alone.
 
