@@ -8,6 +8,12 @@ few experts are ever held twice, never the layer, and never as bf16.
 
 The kernel reads MXFP4 (E2M1 nibbles + E8M0 scales per 32) and FP8 (E4M3 + 128x128 block
 scales); experts in another format cannot be computed on the host.
+
+The store is built under the model's dtype (torch's default dtype while the layer is
+built) and keeps it as `compute_dtype`: in a float32 model MXFP4 experts take float32
+activations (exact weights, float32 dots), so a split model computes what the all-device
+one does up to float32 rounding; in bf16 models they take int8 activations (the fast mode,
+well inside bf16's own rounding).
 """
 
 from __future__ import annotations
@@ -47,8 +53,13 @@ class HostExpertStore:
         self.slot_of = torch.full((num_experts,), -1, dtype=torch.int32, device="cpu")
         for slot, expert in enumerate(self.expert_ids):
             self.slot_of[expert] = slot
+        self._slot_of_numpy = self.slot_of.numpy()  # the kernel's view of the same memory
+        self.compute_dtype = torch.get_default_dtype()
         kind = HostMxfp4Experts if format_name == "mxfp4" else HostFp8Experts
         self.kernel_store = kind.allocate(len(self.expert_ids), hidden_size, intermediate_size)
+        if kind is HostMxfp4Experts:
+            self.kernel_store.float32_activations = self.compute_dtype == torch.float32
+        self.last_pairs = 0  # (token, expert) pairs the last `forward` computed
         # global expert -> role -> leaf -> staged stored tensor, until the expert is complete
         self._staged: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
         self._leaves: dict[str, tuple[str, ...]] = {}
@@ -57,6 +68,17 @@ class HostExpertStore:
     @property
     def nbytes(self) -> int:
         return int(self.kernel_store.nbytes)
+
+    def forward(self, x, weights, ids, swiglu_limit, out) -> torch.Tensor:
+        """out [T, D] = the host experts' weighted share for x [T, D] float32, weights
+        [T, K] float32 and global expert ids [T, K] int32 or int64 (contiguous CPU
+        tensors): one kernel call (kernels/cpu/host_experts.py host_experts_routed)."""
+        from kernels.cpu.host_experts import host_experts_routed
+
+        self.last_pairs = host_experts_routed(
+            self.kernel_store, self._slot_of_numpy, x, ids, weights, swiglu_limit, out
+        )
+        return out
 
     def declare_leaves(self, role: str, leaves: tuple[str, ...]) -> None:
         """The stored tensor names of one projection (`weight` and its scale's name)."""

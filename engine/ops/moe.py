@@ -81,23 +81,30 @@ def host_experts_part(
     """The host-resident experts' share of the weighted sum, computed by the CPU kernel
     (kernels/cpu/host_experts.py) on host copies: x [T, D], weights [T, K], ids [T, K]
     (global ids) -> [T, D] float32 on the CPU (written into `out` when given). Pairs whose
-    expert is on the device add nothing here."""
-    from kernels.cpu.host_experts import host_experts_forward
-
-    host = experts.host
-    slots = host.slot_of[ids.long().cpu()].contiguous()  # [T, K] int32, -1: device expert
-    xf = x.detach().float().cpu().contiguous()
+    expert is on the device add nothing here. Inputs that already are contiguous float32
+    (x, weights) and int32/int64 (ids) CPU tensors, as the CUDA backend's pinned buffers
+    are, go to the kernel as they are."""
+    xf = _host_tensor(x, _FLOAT32)
     if out is None:
-        out = torch.empty_like(xf)
-    host_experts_forward(
-        host.kernel_store,
-        xf,
-        slots,
-        weights.detach().float().cpu().contiguous(),
-        experts.swiglu_limit,
-        out,
+        out = torch.empty(xf.shape, dtype=torch.float32)
+    return experts.host.forward(
+        xf, _host_tensor(weights, _FLOAT32), _host_tensor(ids, _IDS), experts.swiglu_limit, out
     )
-    return out
+
+
+_FLOAT32 = (torch.float32,)
+_IDS = (torch.int32, torch.int64)
+
+
+def _host_tensor(t: torch.Tensor, dtypes: tuple[torch.dtype, ...]) -> torch.Tensor:
+    """t as a contiguous CPU tensor of one of `dtypes` (the first if it must convert),
+    without grad; the same object when it already is one (the kernel then recognises a
+    CUDA graph's pinned buffers from call to call)."""
+    if t.requires_grad:
+        t = t.detach()
+    if t.dtype not in dtypes or not t.is_cpu:
+        t = t.to("cpu", dtypes[0])
+    return t if t.is_contiguous() else t.contiguous()
 
 
 class TorchMoeOps(MoeOps):

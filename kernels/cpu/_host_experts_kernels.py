@@ -1,12 +1,14 @@
 """numba kernels behind kernels/cpu/host_experts.py. Layouts and the order of every float
-sum are described there; this file holds the loops, and the LLVM IR of the VNNI inner loop.
+sum are described there; this file holds the loops, the LLVM IR of the VNNI inner loop and
+of the float32 decode, and the one-call drivers (`mxfp4_forward`, `fp8_forward`).
 
 Everything a cached kernel calls lives in this one file: numba's cache is keyed on the
 source file that defines the cached function, so an edit to a helper in another file would
 leave a stale compiled kernel in the cache.
 
-Every function is compiled for one explicit signature (cache=True: a process loads it from
-numba's cache after the first compile). Parallel loops run over work items of one
+Every function is compiled for explicit signatures, one each except the drivers (int32 or
+int64 expert ids) and the inlined `_group_pairs`, typed by them (cache=True: a process
+loads them from numba's cache after the first compile). Parallel loops run over work items of one
 (expert, block of output rows) each, so the thread count and the split change no bits: each
 output element is computed by one thread, in an order fixed by the layout alone.
 
@@ -35,6 +37,9 @@ HALF = GROUP // 2  # bytes per row per block
 CHUNK_BLOCKS = 16
 # Pairs whose activations one pass over a decoded weight block serves.
 PAIR_TILE = 8
+# Quantizing or combining up to this many values runs on the calling thread: waking the
+# pool costs more than the work at decode sizes.
+SERIAL_VALUES = 1 << 16
 FP8_BLOCK = 128
 LANES = 16  # float lanes of the FP8 dot (one AVX-512 vector of float32); K % 16 == 0
 LANES_PER_ROW = 4  # int32 lanes of one row's 16 bytes in a 64-byte VNNI line
@@ -319,6 +324,87 @@ def float_dot(tokens: int):
 _FLOAT_DOT_1, _FLOAT_DOT_2, _FLOAT_DOT_3, _FLOAT_DOT_4 = (float_dot(t) for t in range(1, 5))
 
 
+_E2M1_FLOATS = [
+    0.0,
+    0.5,
+    1.0,
+    1.5,
+    2.0,
+    3.0,
+    4.0,
+    6.0,
+    -0.0,
+    -0.5,
+    -1.0,
+    -1.5,
+    -2.0,
+    -3.0,
+    -4.0,
+    -6.0,
+]
+
+
+@intrinsic
+def _decode_row_vector(typingctx, w, w_off, sc, sc_off, blocks, rows, row):
+    """_decode_mxfp4_row's loop in AVX-512: per 32-value block, the row's 16 bytes split in
+    nibbles and vpermps looks each code up in the 16 E2M1 values (one register), times the
+    block's E8M0 scale. w_off / sc_off: element offsets of the row's first block; blocks
+    step by rows x 16 bytes and rows scales."""
+    sig = types.void(w, w_off, sc, sc_off, blocks, rows, row)
+
+    def codegen(context, builder, signature, args):
+        wa, sa, oa = (
+            context.make_array(signature.args[i])(context, builder, args[i]) for i in (0, 2, 6)
+        )
+        w_off, sc_off, n_blocks, rows = args[1], args[3], args[4], args[5]
+        v16i8, v16i32 = ir.VectorType(_I8, 16), _V16I32
+        table = ir.Constant(_V16F32, _E2M1_FLOATS)
+        low_bits = ir.Constant(v16i32, [15] * 16)
+        four = ir.Constant(v16i32, [4] * 16)
+        entry = builder.block
+        header = builder.append_basic_block("decode.header")
+        body = builder.append_basic_block("decode.body")
+        done = builder.append_basic_block("decode.done")
+        builder.branch(header)
+        builder.position_at_end(header)
+        b = builder.phi(_I64)
+        b.add_incoming(_c64(0), entry)
+        builder.cbranch(builder.icmp_signed("<", b, n_blocks), body, done)
+        builder.position_at_end(body)
+        step = builder.mul(rows, _c64(HALF))
+        packed = _ptr_load(
+            builder, _gep(builder, wa.data, builder.add(w_off, builder.mul(b, step))), v16i8
+        )
+        codes = builder.zext(packed, v16i32)
+        e = builder.zext(
+            builder.load(_gep(builder, sa.data, builder.add(sc_off, builder.mul(b, rows)))), _I32
+        )
+        bits = builder.select(
+            builder.icmp_unsigned("==", e, ir.Constant(_I32, 0)),
+            ir.Constant(_I32, 1 << 22),
+            builder.shl(e, ir.Constant(_I32, 23)),
+        )
+        scale = builder.bitcast(bits, _F32)
+        scale16 = builder.insert_element(
+            ir.Constant(_V16F32, ir.Undefined), scale, ir.Constant(_I32, 0)
+        )
+        scale16 = builder.shuffle_vector(scale16, scale16, _mask([0] * 16))
+        for h, nib in enumerate((builder.and_(codes, low_bits), builder.lshr(codes, four))):
+            values = _x86(builder, "llvm.x86.avx512.permvar.sf.512", _V16F32, [table, nib])
+            out = _gep(builder, oa.data, builder.add(builder.mul(b, _c64(GROUP)), _c64(HALF * h)))
+            result = builder.fmul(values, scale16)
+            if getattr(out.type, "is_opaque", False):
+                builder.store(result, out, align=4)
+            else:
+                builder.store(result, builder.bitcast(out, _V16F32.as_pointer()), align=4)
+        b.add_incoming(builder.add(b, _c64(1)), body)
+        builder.branch(header)
+        builder.position_at_end(done)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
 def _e2m1_times_two() -> np.ndarray:
     """code -> 2 x E2M1 value, an exact int8 (bit 3 is the sign)."""
     magnitudes = [0, 1, 2, 3, 4, 6, 8, 12]
@@ -358,6 +444,30 @@ def _swiglu(gate, up, limit):
     return g / (float32(1.0) + math.exp(-g)) * u
 
 
+QUANTIZE_ROW_SIGNATURE = void(float32[:, ::1], int64, int8[:, ::1], float32[:, ::1], int32[:, ::1])
+
+
+@numba.njit(QUANTIZE_ROW_SIGNATURE, inline="always", **_JIT)
+def _quantize_row(x, row, q, half_step, lane_bias):
+    """Row `row` of quantize_rows."""
+    c = x.shape[1]
+    for b in range(c // GROUP):
+        amax = float32(0.0)
+        for j in range(GROUP):
+            amax = max(amax, abs(x[row, b * GROUP + j]))
+        step = max(amax, float32(1e-30)) / float32(127.0)
+        for j in range(GROUP):
+            v = x[row, b * GROUP + j] / step
+            v = math.trunc(v + float32(0.5)) if v >= 0 else math.trunc(v - float32(0.5))
+            q[row, b * GROUP + j] = int8(max(min(v, float32(127.0)), float32(-127.0)))
+        half_step[row, b] = step * float32(0.5)
+        for lane in range(LANES_PER_ROW):
+            total = 0
+            for j in range(4 * lane, 4 * lane + 4):
+                total += int32(q[row, b * GROUP + j]) + int32(q[row, b * GROUP + HALF + j])
+            lane_bias[row, b * LANES_PER_ROW + lane] = -WEIGHT_OFFSET * total
+
+
 @numba.njit(
     void(float32[:, ::1], int8[:, ::1], float32[:, ::1], int32[:, ::1]), parallel=True, **_JIT
 )
@@ -367,23 +477,29 @@ def quantize_rows(x, q, half_step, lane_bias):
     E2M1 decode); lane_bias[row, 4 b + l] = -WEIGHT_OFFSET x the sum of block b's codes
     4l..4l+3 and 16+4l..16+4l+3 (takes off what the VNNI kernel's unsigned weights add).
     x [N, C], q [N, C], half_step [N, C/32], lane_bias [N, C/8]."""
-    n, c = x.shape
+    for row in prange(x.shape[0]):
+        _quantize_row(x, row, q, half_step, lane_bias)
+
+
+@numba.njit(
+    void(float32[:, ::1], int64, int8[:, ::1], float32[:, ::1], int32[:, ::1]),
+    parallel=True,
+    **_JIT,
+)
+def _quantize_first_rows_parallel(x, n, q, half_step, lane_bias):
     for row in prange(n):
-        for b in range(c // GROUP):
-            amax = float32(0.0)
-            for j in range(GROUP):
-                amax = max(amax, abs(x[row, b * GROUP + j]))
-            step = max(amax, float32(1e-30)) / float32(127.0)
-            for j in range(GROUP):
-                v = x[row, b * GROUP + j] / step
-                v = math.trunc(v + float32(0.5)) if v >= 0 else math.trunc(v - float32(0.5))
-                q[row, b * GROUP + j] = int8(max(min(v, float32(127.0)), float32(-127.0)))
-            half_step[row, b] = step * float32(0.5)
-            for lane in range(LANES_PER_ROW):
-                total = 0
-                for j in range(4 * lane, 4 * lane + 4):
-                    total += int32(q[row, b * GROUP + j]) + int32(q[row, b * GROUP + HALF + j])
-                lane_bias[row, b * LANES_PER_ROW + lane] = -WEIGHT_OFFSET * total
+        _quantize_row(x, row, q, half_step, lane_bias)
+
+
+@numba.njit(QUANTIZE_ROW_SIGNATURE, **_JIT)
+def quantize_first_rows(x, n, q, half_step, lane_bias):
+    """quantize_rows on rows 0..n-1 of x; below SERIAL_VALUES values on the calling
+    thread, since waking the pool costs more than the work (the same bits either way)."""
+    if n * x.shape[1] <= SERIAL_VALUES:
+        for row in range(n):
+            _quantize_row(x, row, q, half_step, lane_bias)
+    else:
+        _quantize_first_rows_parallel(x, n, q, half_step, lane_bias)
 
 
 MXFP4_ROWS_SIGNATURE = void(
@@ -587,19 +703,278 @@ def fp8_rows(w1, w2, s1, s2, act, slots, offsets, act_row, fused, limit, out):
                 p += m
 
 
+def _e2m1_values() -> np.ndarray:
+    """code -> E2M1 value as float32 (bit 3 is the sign)."""
+    magnitudes = [0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0]
+    return np.array(magnitudes + [-m for m in magnitudes], dtype=np.float32)
+
+
+E2M1_VALUES = _e2m1_values()
+
+
 @numba.njit(
-    void(float32[:, ::1], int32[:, ::1], float32[:, ::1], float32[:, ::1]), parallel=True, **_JIT
+    void(uint8[:, :, :, :, ::1], uint8[:, :, :, ::1], int64, int64, int64, float32[::1]),
+    inline="always",
+    **_JIT,
 )
-def combine(y, pair_of, weights, out):
-    """out[t] = sum over k (in k order) of weights[t, k] * y[pair_of[t, k]], skipping
-    pair_of = -1; a token with no host pair gets zeros."""
-    tokens, top_k = pair_of.shape
-    for t in prange(tokens):
-        for d in range(out.shape[1]):
-            out[t, d] = 0.0
+def _decode_mxfp4_row(w, scales, s, rb, r, row):
+    """Row r of row block rb of slot s as float32: E2M1 value x 2^(e - 127), exact (the
+    float32 product kernels/formats' dequantize_mxfp4 gives)."""
+    if VNNI:
+        rows = np.int64(w.shape[3])
+        sc_off = ((s * w.shape[1] + rb) * w.shape[2]) * rows + r
+        _decode_row_vector(w, sc_off * HALF, scales, sc_off, np.int64(w.shape[2]), rows, row)
+        return
+    lut = E2M1_VALUES
+    e8m0 = E8M0_VALUES
+    for b in range(w.shape[2]):
+        scale = e8m0[scales[s, rb, b, r]]
+        for j in range(HALF):
+            byte = w[s, rb, b, r, j]
+            row[b * GROUP + j] = lut[byte & 15] * scale
+            row[b * GROUP + HALF + j] = lut[byte >> 4] * scale
+
+
+@numba.njit(
+    void(
+        uint8[:, :, :, :, ::1],  # weights [S, N/R, B, rows, 16]
+        uint8[:, :, :, ::1],  # scales [S, N/R, B, rows]
+        float32[:, ::1],  # activations [A, B * 32] float32
+        int32[::1],  # active slots
+        int32[::1],  # pair offsets per active slot
+        int32[::1],  # activation row of each pair
+        float32,  # swiglu limit (gate/up only)
+        float32[:, ::1],  # out [P, N / (2 if gate/up else 1)]
+    ),
+    parallel=True,
+    **_JIT,
+)
+def mxfp4_rows_f32(w, scales, act, slots, offsets, act_row, limit, out):
+    """mxfp4_rows with float32 activations: each weight row is decoded exactly to float32
+    once per work item and dotted by `float_dot` (lane j: elements j, j + 16, ... in
+    order, lanes folded by halves) with up to MAX_TOKENS pairs per call. With 2R rows per
+    block (gate/up interleaved) out holds swiglu(gate row r, up row r), else the dot."""
+    row_blocks, blocks, rows = w.shape[1], w.shape[2], w.shape[3]
+    fused = rows == 2 * ROWS
+    k = blocks * GROUP
+    chunks = (row_blocks + CHUNK_BLOCKS - 1) // CHUNK_BLOCKS
+    for item in prange(slots.shape[0] * chunks):
+        a, c = item // chunks, item % chunks
+        s = np.int64(slots[a])
+        first_row = np.empty(k, dtype=np.float32)
+        second_row = np.empty(k, dtype=np.float32)
+        first = np.empty(MAX_TOKENS, dtype=np.float32)
+        second = np.empty(MAX_TOKENS, dtype=np.float32)
+        end = np.int64(offsets[a + 1])
+        for rb in range(c * CHUNK_BLOCKS, min(row_blocks, (c + 1) * CHUNK_BLOCKS)):
+            for r in range(ROWS):
+                _decode_mxfp4_row(w, scales, s, rb, r, first_row)
+                if fused:
+                    _decode_mxfp4_row(w, scales, s, rb, ROWS + r, second_row)
+                p = np.int64(offsets[a])
+                while p < end:
+                    m = min(MAX_TOKENS, end - p)
+                    _float_dots(first_row, act, act_row, p, m, first)
+                    if fused:
+                        _float_dots(second_row, act, act_row, p, m, second)
+                    for j in range(m):
+                        if fused:
+                            out[p + j, rb * ROWS + r] = _swiglu(first[j], second[j], limit)
+                        else:
+                            out[p + j, rb * ROWS + r] = first[j]
+                    p += m
+
+
+# -- one call per layer: grouping, the experts and the combine ----------------------------
+#
+# Status codes the drivers return as (code, value); the Python wrapper raises.
+DONE = 0  # value: pairs computed
+BAD_ID = 1  # value: flat index t * K + k of an expert id outside -1..E-1
+BAD_SLOT = 2  # value: the global id whose slot_of entry is outside -1..S-1
+NEED_PAIRS = 3  # value: pairs the call has (the pair buffers are smaller): grow, call again
+
+_SCRATCH = (
+    int32[::1],  # cursor per slot [>= S]
+    int32[::1],  # active slots [>= S]
+    int32[::1],  # pair offsets per active slot [>= S + 1]
+    int32[::1],  # token of each pair [>= P]
+    int32[::1],  # identity: pair p's activation row is p [>= P]
+    int32[::1],  # pair of each (t, k), flat t * K + k, or -1 [>= T * K]
+)
+
+
+@numba.njit(inline="always", **_JIT)
+def _group_pairs(slot_of, ids, num_slots, cursor, slots, offsets, pair_token, pair_of):
+    """Pairs grouped by host slot (slots ascending, tokens in order within a slot):
+    fills slots[:n], offsets[:n + 1], pair_token[:P], pair_of[:T K]; returns
+    (code, n, P) with code DONE, or a failure (code, value, 0)."""
+    tokens, top_k = ids.shape
+    num_experts = slot_of.shape[0]
+    for s in range(num_slots):
+        cursor[s] = 0
+    for t in range(tokens):
         for k in range(top_k):
-            p = pair_of[t, k]
-            if p >= 0:
-                wk = weights[t, k]
-                for d in range(out.shape[1]):
-                    out[t, d] += wk * y[p, d]
+            e = np.int64(ids[t, k])
+            if e == -1:
+                continue
+            if e < -1 or e >= num_experts:
+                return BAD_ID, t * top_k + k, 0
+            s = np.int64(slot_of[e])
+            if s < -1 or s >= num_slots:
+                return BAD_SLOT, e, 0
+            if s >= 0:
+                cursor[s] += 1
+    active = 0
+    total = 0
+    offsets[0] = 0
+    for s in range(num_slots):
+        count = cursor[s]
+        if count:
+            slots[active] = s
+            cursor[s] = total  # from here: the next pair position of slot s
+            total += count
+            active += 1
+            offsets[active] = total
+    if total > pair_token.shape[0]:
+        return NEED_PAIRS, total, 0
+    for t in range(tokens):
+        for k in range(top_k):
+            e = np.int64(ids[t, k])
+            s = np.int64(slot_of[e]) if e >= 0 else -1
+            if s < 0:
+                pair_of[t * top_k + k] = -1
+            else:
+                p = cursor[s]
+                cursor[s] = p + 1
+                pair_token[p] = t
+                pair_of[t * top_k + k] = p
+    return DONE, active, total
+
+
+@numba.njit(
+    void(float32[:, ::1], int32[::1], int64, float32[:, ::1], int64, float32[:, ::1]),
+    inline="always",
+    **_JIT,
+)
+def _combine_token(y, pair_of, top_k, weights, t, out):
+    """out[t] = sum over k (in k order) of weights[t, k] * y[pair_of[t K + k]], skipping
+    -1; zeros when none."""
+    for d in range(out.shape[1]):
+        out[t, d] = 0.0
+    for k in range(top_k):
+        p = pair_of[t * top_k + k]
+        if p >= 0:
+            wk = weights[t, k]
+            for d in range(out.shape[1]):
+                out[t, d] += wk * y[p, d]
+
+
+@numba.njit(
+    void(float32[:, ::1], int32[::1], int64, float32[:, ::1], float32[:, ::1]),
+    parallel=True,
+    **_JIT,
+)
+def _combine_parallel(y, pair_of, top_k, weights, out):
+    for t in prange(out.shape[0]):
+        _combine_token(y, pair_of, top_k, weights, t, out)
+
+
+@numba.njit(void(float32[:, ::1], int32[::1], int64, float32[:, ::1], float32[:, ::1]), **_JIT)
+def combine_pairs(y, pair_of, top_k, weights, out):
+    """out[t] = sum over k (in k order) of weights[t, k] * y[pair_of[t K + k]] (pair_of
+    -1: skipped; a token with no host pair gets zeros); up to SERIAL_VALUES values of out
+    on the calling thread, more in the pool (the same bits either way)."""
+    if out.shape[0] * out.shape[1] <= SERIAL_VALUES:
+        for t in range(out.shape[0]):
+            _combine_token(y, pair_of, top_k, weights, t, out)
+    else:
+        _combine_parallel(y, pair_of, top_k, weights, out)
+
+
+_MXFP4_ROWS_INT8 = mxfp4_rows_vnni if VNNI else mxfp4_rows
+
+
+def _forward_signatures(experts, ids_types, extra):
+    return [
+        types.UniTuple(int64, 2)(
+            *experts,
+            int32[::1],  # slot_of [E]: global expert id -> host slot or -1
+            ids[:, ::1],  # expert ids [T, K] (global; -1: none)
+            float32[:, ::1],  # routing weights [T, K]
+            float32[:, ::1],  # x [T, D]
+            float32,  # swiglu limit (inf: none)
+            float32[:, ::1],  # out [T, D]
+            *_SCRATCH,
+            *extra,
+        )
+        for ids in ids_types
+    ]
+
+
+_MXFP4_EXPERTS = (uint8[:, :, :, :, ::1], uint8[:, :, :, ::1]) * 2
+_MXFP4_SCRATCH = (
+    numba.boolean,  # float32 activations (exact) instead of int8
+    int8[:, ::1],  # x codes [>= T, D]
+    float32[:, ::1],  # x half steps [>= T, D/32]
+    int32[:, ::1],  # x lane bias [>= T, D/8]
+    float32[:, ::1],  # h: swiglu outputs [>= P, I]
+    int8[:, ::1],  # h codes [>= P, I] (int8 mode)
+    float32[:, ::1],  # h half steps [>= P, I/32]
+    int32[:, ::1],  # h lane bias [>= P, I/8]
+    float32[:, ::1],  # y: expert outputs [>= P, D]
+)
+
+
+@numba.njit(_forward_signatures(_MXFP4_EXPERTS, (int32, int64), _MXFP4_SCRATCH), **_JIT)
+def mxfp4_forward(
+    gate_up, gate_up_scales, down, down_scales, slot_of, ids, weights, x, limit, out,
+    cursor, slots, offsets, pair_token, identity, pair_of,
+    exact, xq, xs, xl, h, hq, hs, hl, y,
+):  # fmt: skip
+    """One layer's host experts: group the pairs, gate/up with SwiGLU, down, combine into
+    out (written; tokens with no host pair get zeros). exact: float32 activations
+    (`mxfp4_rows_f32`), else int8 (`mxfp4_rows_vnni` / `mxfp4_rows`). Returns
+    (DONE, pairs) or a failure code (see above); on NEED_PAIRS nothing is written."""
+    code, active, pairs = _group_pairs(
+        slot_of, ids, gate_up.shape[0], cursor, slots, offsets, pair_token, pair_of
+    )
+    if code != DONE:
+        return code, active
+    if pairs:
+        s, o = slots[:active], offsets[: active + 1]
+        if exact:
+            mxfp4_rows_f32(gate_up, gate_up_scales, x, s, o, pair_token, limit, h)
+            mxfp4_rows_f32(down, down_scales, h, s, o, identity, limit, y)
+        else:
+            quantize_first_rows(x, x.shape[0], xq, xs, xl)
+            _MXFP4_ROWS_INT8(gate_up, gate_up_scales, xq, xs, xl, s, o, pair_token, limit, h)
+            quantize_first_rows(h, pairs, hq, hs, hl)
+            _MXFP4_ROWS_INT8(down, down_scales, hq, hs, hl, s, o, identity, limit, y)
+    combine_pairs(y, pair_of, ids.shape[1], weights, out)
+    return DONE, pairs
+
+
+_FP8_EXPERTS = (uint8[:, :, ::1],) * 3 + (float32[:, :, ::1],) * 3
+_FP8_SCRATCH = (
+    float32[:, ::1],  # h: swiglu outputs [>= P, I]
+    float32[:, ::1],  # y: expert outputs [>= P, D]
+)
+
+
+@numba.njit(_forward_signatures(_FP8_EXPERTS, (int32, int64), _FP8_SCRATCH), **_JIT)
+def fp8_forward(
+    gate, up, down, gate_scales, up_scales, down_scales, slot_of, ids, weights, x, limit, out,
+    cursor, slots, offsets, pair_token, identity, pair_of, h, y,
+):  # fmt: skip
+    """mxfp4_forward for FP8 experts (`fp8_rows`, float32 activations)."""
+    code, active, pairs = _group_pairs(
+        slot_of, ids, gate.shape[0], cursor, slots, offsets, pair_token, pair_of
+    )
+    if code != DONE:
+        return code, active
+    if pairs:
+        s, o = slots[:active], offsets[: active + 1]
+        fp8_rows(gate, up, gate_scales, up_scales, x, s, o, pair_token, True, limit, h)
+        fp8_rows(down, down, down_scales, down_scales, h, s, o, identity, False, limit, y)
+    combine_pairs(y, pair_of, ids.shape[1], weights, out)
+    return DONE, pairs

@@ -1,6 +1,7 @@
 """Routed experts that live in host RAM, computed on the CPU in their stored precision:
-MXFP4 experts (DeepSeek-V4) as int8 dot products, FP8 experts (V3, `expert_dtype: fp8`) in
-float32. No engine imports: the engine's host-expert backend calls `host_experts_forward`.
+MXFP4 experts (DeepSeek-V4) as int8 dot products (or in float32 for float32 models), FP8
+experts (V3, `expert_dtype: fp8`) in float32. No engine imports: the engine's host-expert
+store (engine/layers/host_experts.py) calls `host_experts_routed`.
 
 Layout (`HostMxfp4Experts`, re-laid once by `put` from the checkpoint's
 gate/up [I, D/2] + [I, D/32] and down [D, I/2] + [D, I/32], R = ROWS = 4):
@@ -22,9 +23,21 @@ goes through down the same way. FP8: each weight row is dequantized to float32 (
 x block scale, as kernels/formats does), activations stay float32, and the dot sums 16
 lanes (lane j: elements j, j + 16, ... in order) folded by halves (`float_dot` in
 kernels/cpu/_host_experts_kernels.py).
+MXFP4 with `float32_activations` (the exact mode, for float32 models): each weight row
+decodes exactly to float32 (E2M1 value x 2^(e - 127), what kernels/formats gives), x and
+the SwiGLU output stay float32, and the dots are `float_dot`'s, as for FP8.
 Last, out[t] = sum over k in k order of weights[t, k] * y_k. Every order depends on the
 layout alone, never on how many tokens share the call or chose the same expert: a row's
 result does not depend on its batch.
+
+One call per layer (`host_experts_routed`, global expert ids and the layer's slot_of
+map; `host_experts_forward` with host slots): one compiled function groups the pairs,
+runs gate/up with SwiGLU and down (one wake of numba's pool each; the activation
+quantization and the combine run on the calling thread at decode sizes) and combines. Its
+scratch buffers belong to the calling thread, one set per expert shape and mode, grown
+when a call needs more (engine calls of one model come one after another on one thread);
+the checks are O(1) and skipped for a tensor set seen just before (a CUDA graph's pinned
+buffers, the same objects at every replay).
 
 Threads: the kernels run in numba's thread pool (`numba.set_num_threads(n)` before a call
 sets how many of its threads take part; the pool's size is fixed at the first parallel call
@@ -39,6 +52,7 @@ host, D = hidden, I = intermediate.
 from __future__ import annotations
 
 import math
+import threading
 
 import numpy as np
 import torch
@@ -96,6 +110,10 @@ class HostMxfp4Experts:
         self.num_slots = gate_up.shape[0]
         self.intermediate = gate_up.shape[1] * ROWS
         self.hidden = down.shape[1] * ROWS
+        self.identity_slots = np.arange(self.num_slots, dtype=np.int32)
+        # float32 activations and dots (exact MXFP4 x float32, for float32 models) instead
+        # of int8 activations (module docstring)
+        self.float32_activations = False
 
     @classmethod
     def allocate(cls, num_slots: int, hidden: int, intermediate: int) -> HostMxfp4Experts:
@@ -157,6 +175,7 @@ class HostFp8Experts:
         self.up_scales = up_scales
         self.down_scales = down_scales  # [S, D/128, I/128]
         self.num_slots, self.intermediate, self.hidden = gate.shape
+        self.identity_slots = np.arange(self.num_slots, dtype=np.int32)
 
     @classmethod
     def allocate(cls, num_slots: int, hidden: int, intermediate: int) -> HostFp8Experts:
@@ -206,65 +225,256 @@ class HostFp8Experts:
             scales[slot] = scale_to_float(s).numpy()
 
 
-def _group_pairs(slot_ids: np.ndarray, num_slots: int):
-    """(active slots, pair offsets per active slot, token of each pair, pair of each
-    (t, k) or -1): pairs grouped by slot, tokens in order within a slot."""
-    flat = slot_ids.reshape(-1)
-    if flat.size and (flat.max() >= num_slots or flat.min() < -1):
-        bad = int(flat[(flat >= num_slots) | (flat < -1)][0])
-        raise IndexError(f"slot_ids holds {bad}: this layer has {num_slots} host slots (-1: skip)")
-    chosen = np.flatnonzero(flat >= 0)
-    order = chosen[np.argsort(flat[chosen], kind="stable")]  # (t, k) flat indices by slot
-    pair_of = np.full(flat.shape, -1, dtype=np.int32)
-    pair_of[order] = np.arange(order.size, dtype=np.int32)
-    slots, counts = np.unique(flat[order], return_counts=True)
-    offsets = np.zeros(slots.size + 1, dtype=np.int32)
-    np.cumsum(counts, out=offsets[1:])
-    pair_token = (order // slot_ids.shape[1]).astype(np.int32)
-    return slots.astype(np.int32), offsets, pair_token, pair_of.reshape(slot_ids.shape)
+class _Scratch:
+    """The buffers of one call (pair grouping, quantized activations, h, y), reused by
+    every call on one thread for experts of one shape and mode, grown when a call needs
+    more; nothing in them outlives a call."""
+
+    def __init__(self, hidden: int, intermediate: int, quantized: bool) -> None:
+        self.hidden, self.intermediate, self.quantized = hidden, intermediate, quantized
+        self.tokens = self.flat = self.slots = self.pairs = 0
+        self._tokens_arrays(0)
+        self._slot_arrays(0)
+        self.pair_of = np.empty(0, dtype=np.int32)
+        self.grow_pairs(MIN_PAIRS)
+
+    def _tokens_arrays(self, tokens: int) -> None:
+        d, rows = self.hidden, tokens if self.quantized else 0
+        self.tokens = tokens
+        self.xq = np.empty((rows, d), dtype=np.int8)
+        self.xs = np.empty((rows, d // GROUP), dtype=np.float32)
+        self.xl = np.empty((rows, d // GROUP * _k.LANES_PER_ROW), dtype=np.int32)
+
+    def _slot_arrays(self, slots: int) -> None:
+        self.slots = slots
+        self.cursor = np.empty(slots, dtype=np.int32)
+        self.active = np.empty(slots, dtype=np.int32)
+        self.offsets = np.empty(slots + 1, dtype=np.int32)
+
+    def fit(self, tokens: int, top_k: int, num_slots: int) -> None:
+        """Room for a call of `tokens` x `top_k` choices over `num_slots` slots (O(1)
+        unless it grows)."""
+        if tokens > self.tokens:
+            self._tokens_arrays(_grown(tokens))
+        if tokens * top_k > self.flat:
+            self.flat = _grown(tokens * top_k)
+            self.pair_of = np.empty(self.flat, dtype=np.int32)
+        if num_slots > self.slots:
+            self._slot_arrays(num_slots)
+
+    def grow_pairs(self, pairs: int) -> None:
+        d, i = self.hidden, self.intermediate
+        self.pairs = p = _grown(pairs)
+        q = p if self.quantized else 0
+        self.pair_token = np.empty(p, dtype=np.int32)
+        self.identity = np.arange(p, dtype=np.int32)
+        self.h = np.empty((p, i), dtype=np.float32)
+        self.hq = np.empty((q, i), dtype=np.int8)
+        self.hs = np.empty((q, i // GROUP), dtype=np.float32)
+        self.hl = np.empty((q, i // GROUP * _k.LANES_PER_ROW), dtype=np.int32)
+        self.y = np.empty((p, d), dtype=np.float32)
+
+    def grouping(self) -> tuple[np.ndarray, ...]:
+        return (self.cursor, self.active, self.offsets, self.pair_token, self.identity,
+                self.pair_of)  # fmt: skip
 
 
-def host_experts_forward(experts, x, slot_ids, weights, swiglu_limit, out) -> None:
-    """out[t] = sum over k with slot_ids[t, k] >= 0 of weights[t, k] * expert(x[t]), written
-    (not accumulated); tokens with no host expert get zeros.
+MIN_PAIRS = 16  # pair capacity of a new scratch
 
-    experts: HostMxfp4Experts or HostFp8Experts; x [T, D] float32; slot_ids [T, K] int32
-    (a host slot, or -1 for an expert computed elsewhere); weights [T, K] float32; out
-    [T, D] float32; all contiguous CPU tensors. swiglu_limit: V4's clamp, or None."""
-    t, d = x.shape
-    top_k = slot_ids.shape[1] if slot_ids.dim() == 2 else -1
+
+def _grown(n: int) -> int:
+    """n rounded up to a power of two (at least 1): a growing batch re-allocates rarely."""
+    return 1 << max(0, n - 1).bit_length()
+
+
+class _ThreadState:
+    """One thread's scratch buffers (by expert shape and mode) and remembered tensors."""
+
+    def __init__(self) -> None:
+        self.scratch: dict[tuple, _Scratch] = {}
+        self.seen = _SeenTensors()
+
+
+# By OS thread id, not threading.local: the CUDA driver runs a graph's host nodes on its own
+# thread through ctypes, which gives each callback a new Python thread state (and so an
+# empty threading.local), while the thread itself, and its id, stay the same.
+_by_thread: dict[int, _ThreadState] = {}
+
+
+def _thread_state() -> _ThreadState:
+    ident = threading.get_ident()
+    state = _by_thread.get(ident)
+    if state is None:
+        state = _by_thread[ident] = _ThreadState()
+    return state
+
+
+def _scratch(state: _ThreadState, experts, quantized: bool) -> _Scratch:
+    """A thread's scratch for experts of this shape and mode: the engine's host calls of
+    one model run one after another on one thread (the CUDA driver's, or the caller's)."""
+    table = state.scratch
+    key = (type(experts), experts.hidden, experts.intermediate, quantized)
+    scratch = table.get(key)
+    if scratch is None:
+        scratch = table[key] = _Scratch(experts.hidden, experts.intermediate, quantized)
+    return scratch
+
+
+_IDS_DTYPES = (torch.int32, torch.int64)
+
+
+def _check_call(experts, x, ids, weights, out, ids_name) -> None:
+    """Shapes, dtypes, device and layout of one call's tensors: O(1), the messages only
+    on failure."""
+    try:
+        fast = (
+            x.dtype is torch.float32
+            and weights.dtype is torch.float32
+            and out.dtype is torch.float32
+            and ids.dtype in _IDS_DTYPES
+            and x.dim() == 2
+            and x.shape[1] == experts.hidden
+            and out.shape == x.shape
+            and ids.dim() == 2
+            and ids.shape[0] == x.shape[0]
+            and weights.shape == ids.shape
+            and x.device.type == "cpu"
+            and ids.device.type == "cpu"
+            and weights.device.type == "cpu"
+            and out.device.type == "cpu"
+            and x.is_contiguous()
+            and ids.is_contiguous()
+            and weights.is_contiguous()
+            and out.is_contiguous()
+        )
+    except AttributeError:
+        fast = False
+    if fast:
+        return
+    t = x.shape[0] if isinstance(x, torch.Tensor) and x.dim() == 2 else -1
+    top_k = ids.shape[1] if isinstance(ids, torch.Tensor) and ids.dim() == 2 else -1
     _expect(x, "x", (t, experts.hidden), (torch.float32,))
-    _expect(slot_ids, "slot_ids", (t, top_k), (torch.int32,))
+    _expect(ids, ids_name, (t, top_k), _IDS_DTYPES)
     _expect(weights, "weights", (t, top_k), (torch.float32,))
-    _expect(out, "out", (t, d), (torch.float32,))
-    for name, tensor in (("x", x), ("slot_ids", slot_ids), ("weights", weights), ("out", out)):
+    _expect(out, "out", (t, experts.hidden), (torch.float32,))
+    for name, tensor in (("x", x), (ids_name, ids), ("weights", weights), ("out", out)):
         if not tensor.is_contiguous():
             raise ValueError(f"{name} must be contiguous")
+
+
+class _SeenTensors:
+    """The numpy views of the last checked (x, ids, weights, out) tensor sets of one
+    thread. A CUDA graph's host node passes the same pinned tensor objects at every replay
+    and to every layer, and a tensor object keeps its shape, dtype and memory (nothing here
+    resizes one), so a set seen before needs neither the checks nor new views. The views
+    keep their tensors alive: only sets of up to MAX_TOKENS tokens are kept, and few."""
+
+    SIZE = 2
+    MAX_TOKENS = 1024
+
+    def __init__(self) -> None:
+        self.entries: list[tuple] = []
+
+    def arrays(self, hidden, x, ids, weights, out):
+        """The views of a set checked before for experts of this hidden size, or None."""
+        for entry in self.entries:
+            if (
+                entry[0] is x
+                and entry[1] is ids
+                and entry[2] is weights
+                and entry[3] is out
+                and entry[4] == hidden
+            ):
+                return entry[5]
+        return None
+
+    def remember(self, hidden, x, ids, weights, out):
+        arrays = (x.numpy(), ids.numpy(), weights.numpy(), out.numpy())
+        if x.shape[0] <= self.MAX_TOKENS:
+            entry = (x, ids, weights, out, hidden, arrays)
+            self.entries = [entry, *self.entries[: self.SIZE - 1]]
+        return arrays
+
+
+def host_experts_routed(experts, slot_of, x, expert_ids, weights, swiglu_limit, out) -> int:
+    """out[t] = sum over k, in k order, of weights[t, k] * expert_ids[t, k](x[t]) for the
+    experts that live here (slot_of[expert] >= 0), written (not accumulated); tokens with
+    none get zeros. Returns the (token, expert) pairs computed.
+
+    One compiled call does the grouping, the experts and the combine (numba's pool wakes
+    once per weight pass). experts: HostMxfp4Experts or HostFp8Experts; slot_of [E] int32
+    numpy (global id -> host slot, -1: computed elsewhere); x [T, D] float32; expert_ids
+    [T, K] int32 or int64 global ids (-1: no expert); weights [T, K] float32; out [T, D]
+    float32; contiguous CPU tensors. swiglu_limit: V4's clamp, or None."""
+    if not (
+        isinstance(slot_of, np.ndarray)
+        and slot_of.dtype == np.int32
+        and slot_of.ndim == 1
+        and slot_of.flags.c_contiguous
+    ):
+        raise TypeError(f"slot_of: expected a contiguous 1-d int32 numpy array, got {slot_of!r}")
+    what = f"the layer has {slot_of.shape[0]} experts (-1: none)"
+    return _run(experts, slot_of, x, expert_ids, weights, swiglu_limit, out, "expert_ids", what)
+
+
+def host_experts_forward(experts, x, slot_ids, weights, swiglu_limit, out) -> int:
+    """host_experts_routed with host slots for ids: slot_ids [T, K] int32 or int64 (a host
+    slot, or -1 for an expert computed elsewhere)."""
+    what = f"this layer has {experts.num_slots} host slots (-1: skip)"
+    slot_of = experts.identity_slots
+    return _run(experts, slot_of, x, slot_ids, weights, swiglu_limit, out, "slot_ids", what)
+
+
+def _run(experts, slot_of, x, ids, weights, swiglu_limit, out, ids_name, what) -> int:
+    if not isinstance(experts, (HostMxfp4Experts, HostFp8Experts)):
+        raise TypeError(
+            f"experts must be HostMxfp4Experts or HostFp8Experts, got {type(experts).__name__}"
+        )
+    state = _thread_state()
+    seen = state.seen
+    arrays = seen.arrays(experts.hidden, x, ids, weights, out)
+    if arrays is None:
+        _check_call(experts, x, ids, weights, out, ids_name)
+        arrays = seen.remember(experts.hidden, x, ids, weights, out)
     limit = np.float32(math.inf if swiglu_limit is None else swiglu_limit)
-    slots, offsets, pair_token, pair_of = _group_pairs(slot_ids.numpy(), experts.num_slots)
-    pairs = pair_token.size
-    xn, outn = x.numpy(), out.numpy()
-    y = np.empty((pairs, d), dtype=np.float32)
-    if pairs:
-        identity = np.arange(pairs, dtype=np.int32)
-        if isinstance(experts, HostMxfp4Experts):
-            _mxfp4_pairs(experts, xn, slots, offsets, pair_token, identity, limit, y)
-        elif isinstance(experts, HostFp8Experts):
-            _fp8_pairs(experts, xn, slots, offsets, pair_token, identity, limit, y)
-        else:
-            raise TypeError(
-                f"experts must be HostMxfp4Experts or HostFp8Experts, got {type(experts).__name__}"
-            )
-    _k.combine(y, pair_of, weights.numpy(), outn)
-
-
-def _mxfp4_pairs(e, x, slots, offsets, pair_token, identity, limit, y):
-    rows = _k.mxfp4_rows_vnni if _k.VNNI else _k.mxfp4_rows
-    xq, xs, xl = _quantized(x)
-    h = np.empty((pair_token.size, e.intermediate), dtype=np.float32)  # [P, I]
-    rows(e.gate_up, e.gate_up_scales, xq, xs, xl, slots, offsets, pair_token, limit, h)
-    hq, hs, hl = _quantized(h)
-    rows(e.down, e.down_scales, hq, hs, hl, slots, offsets, identity, limit, y)
+    t, top_k = ids.shape
+    xn, idn, wn, outn = arrays
+    call = (slot_of, idn, wn, xn, limit, outn)
+    if isinstance(experts, HostMxfp4Experts):
+        exact = experts.float32_activations
+        scratch = _scratch(state, experts, not exact)
+        scratch.fit(t, top_k, experts.num_slots)
+        e = experts
+        while True:
+            code, value = _k.mxfp4_forward(
+                e.gate_up, e.gate_up_scales, e.down, e.down_scales, *call,
+                *scratch.grouping(), exact, scratch.xq, scratch.xs, scratch.xl,
+                scratch.h, scratch.hq, scratch.hs, scratch.hl, scratch.y,
+            )  # fmt: skip
+            if code != _k.NEED_PAIRS:
+                break
+            scratch.grow_pairs(value)
+    else:
+        scratch = _scratch(state, experts, False)
+        scratch.fit(t, top_k, experts.num_slots)
+        e = experts
+        while True:
+            code, value = _k.fp8_forward(
+                e.gate, e.up, e.down, e.gate_scales, e.up_scales, e.down_scales, *call,
+                *scratch.grouping(), scratch.h, scratch.y,
+            )  # fmt: skip
+            if code != _k.NEED_PAIRS:
+                break
+            scratch.grow_pairs(value)
+    if code == _k.BAD_ID:
+        row, k = divmod(value, top_k)
+        raise IndexError(f"{ids_name}[{row}, {k}] holds {int(ids[row, k])}: {what}")
+    if code == _k.BAD_SLOT:
+        raise IndexError(
+            f"slot_of[{value}] holds {int(slot_of[value])}: this layer has "
+            f"{experts.num_slots} host slots (-1: elsewhere)"
+        )
+    return value
 
 
 def _quantized(x: np.ndarray):
@@ -275,13 +485,3 @@ def _quantized(x: np.ndarray):
     lane_bias = np.empty((n, c // GROUP * _k.LANES_PER_ROW), dtype=np.int32)
     _k.quantize_rows(x, q, half_step, lane_bias)
     return q, half_step, lane_bias
-
-
-def _fp8_pairs(e, x, slots, offsets, pair_token, identity, limit, y):
-    h = np.empty((pair_token.size, e.intermediate), dtype=np.float32)  # [P, I]
-    _k.fp8_rows(
-        e.gate, e.up, e.gate_scales, e.up_scales, x, slots, offsets, pair_token, True, limit, h
-    )
-    _k.fp8_rows(
-        e.down, e.down, e.down_scales, e.down_scales, h, slots, offsets, identity, False, limit, y
-    )

@@ -1,8 +1,9 @@
 """Routed experts split between the device and the host (issue 24's placement and
 split/combine, on the CPU: the "device" experts run the torch path, the host ones the
-numba kernel). A split model gives the all-device model's greedy tokens and logits within
-the host kernel's activation quantization; host experts are loaded in their stored format
-only; a row's output does not depend on its batch; bad placements are refused by name."""
+numba kernel). In float32 a split model gives the all-device model's greedy tokens and its
+logits within float32 rounding (the host kernel's exact mode); bf16 models keep the fast
+int8 mode; host experts are loaded in their stored format only; a row's output does not
+depend on its batch; bad placements are refused by name."""
 
 from __future__ import annotations
 
@@ -20,7 +21,9 @@ from engine.expert_placement import (
     load_route_counts,
     plan_auto,
 )
+from engine.layers.host_experts import HostExpertStore
 from engine.layers.moe import DeepseekMoE
+from tests.engine.deepseek_helpers import PagedRunner
 
 PROMPTS = [[3, 17, 42, 5, 9, 11, 60, 2], [7, 70, 77], [30, 31, 32, 33, 34, 35, 36, 37, 38, 39]]
 
@@ -37,7 +40,13 @@ def _half_on_host(llm: LLM, path) -> ExpertPlacement:
     return placement
 
 
-def _greedy(llm: LLM, prompts, max_tokens=12):
+def _prompt_logits(llm: LLM, prompts) -> list[torch.Tensor]:
+    """Each prompt's logits [len, V] from one forward (binds fresh caches to the model)."""
+    runner = PagedRunner(llm.engine.runner.model)
+    return [runner.step([(i, p)])[0] for i, p in enumerate(prompts)]
+
+
+def _greedy(llm: LLM, prompts, max_tokens=16):
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
     return [o.outputs[0].token_ids for o in llm.generate(prompts, params)]
 
@@ -69,15 +78,31 @@ def test_split_model_matches_all_device(checkpoint, tmp_path):
     assert summary["experts_on_host"] == sum(len(v) for v in placement.host.values())
     assert full.expert_placement is None
 
+    # a float32 model: MXFP4 host experts take float32 activations (the exact mode)
+    if experts == "mxfp4":
+        assert all(m.experts.host.kernel_store.float32_activations for m in _moe_layers(split))
     assert _greedy(split, PROMPTS) == _greedy(full, PROMPTS)
-    # each MoE layer alone on the same input: the host kernel quantizes MXFP4 experts'
-    # activations per 32 values to int8 (about 0.5% per layer); FP8 ones stay float32
-    tolerance = 2e-2 if experts == "mxfp4" else 1e-5
+    # each MoE layer alone on the same input: only the float32 order of the dots differs
     x = torch.randn(5, _moe_layers(full)[0].experts.gate_proj.in_features)
     for a, b in zip(_moe_layers(full), _moe_layers(split), strict=True):
         token_ids = torch.arange(5) if a.gate.tid2eid is not None else None
         ya, yb = a(x, token_ids), b(x, token_ids)
-        assert float((ya - yb).norm() / ya.norm()) < tolerance, a.layer_index
+        assert float((ya - yb).norm() / ya.norm()) < 1e-5, a.layer_index
+    for la, lb in zip(_prompt_logits(full, PROMPTS), _prompt_logits(split, PROMPTS), strict=True):
+        assert float((la - lb).norm() / la.norm()) < 1e-5
+
+
+@pytest.mark.parametrize("dtype,exact", [(torch.float32, True), (torch.bfloat16, False)])
+def test_the_host_mode_follows_the_models_dtype(dtype, exact):
+    saved = torch.get_default_dtype()
+    torch.set_default_dtype(dtype)
+    try:
+        store = HostExpertStore((1, 3), 4, 64, 32, "mxfp4", "layers.1.mlp.experts")
+    finally:
+        torch.set_default_dtype(saved)
+    assert store.compute_dtype == dtype
+    # float32 models: float32 activations; bf16 models: the fast int8 mode
+    assert store.kernel_store.float32_activations is exact
 
 
 def test_split_rows_do_not_depend_on_their_batch(checkpoint, tmp_path):
