@@ -20,7 +20,10 @@ from __future__ import annotations
 
 import json
 import logging
+import signal
+import threading
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 from batchgen.executors.blocks import InputBlock, plan_blocks
@@ -42,7 +45,7 @@ from batchgen.run import (
 )
 from batchgen.run_dir import ManifestEntry, new_session_id
 from batchgen.run_lock import RunLock
-from batchgen.stop_flag import StopFlag
+from batchgen.stop_flag import SIGNALS, StopFlag
 
 log = logging.getLogger(__name__)
 
@@ -92,14 +95,15 @@ def _run_locked(ray, ctx, job, job_path, new_run, retry_errors, progress) -> Run
         return finished
     # Connected before the run directory is opened: a cluster that cannot be reached is
     # refused with nothing written.
-    started_ray = _connect(ray, job.executor)
-    try:
-        return _run_session(
-            ray, ctx, job, job_path, new_run, retry_errors, progress, session_id, reconciled
-        )
-    finally:
-        if started_ray:
-            ray.shutdown()
+    with _signal_handlers_kept():
+        started_ray = _connect(ray, job.executor)
+        try:
+            return _run_session(
+                ray, ctx, job, job_path, new_run, retry_errors, progress, session_id, reconciled
+            )
+        finally:
+            if started_ray:
+                ray.shutdown()
 
 
 def _run_session(
@@ -143,6 +147,20 @@ def _worker_labels(job: JobSpec, ctx: JobContext, session: Session) -> WorkerLab
     if mode == "auto":
         return WorkerLabels("auto", assignments=str(session.labels.path))
     return WorkerLabels("off")
+
+
+@contextmanager
+def _signal_handlers_kept():
+    """Put the process's SIGINT / SIGTERM handlers back on the way out: ray.init installs
+    its own SIGTERM handler and leaves it there after ray.shutdown (main thread only:
+    elsewhere handlers cannot be set)."""
+    main = threading.current_thread() is threading.main_thread()
+    saved = {s: signal.getsignal(s) for s in SIGNALS} if main else {}
+    try:
+        yield
+    finally:
+        for s, handler in saved.items():
+            signal.signal(s, handler)
 
 
 def _connect(ray, spec: ExecutorSpec) -> bool:

@@ -30,6 +30,9 @@ RAY_EXECUTOR = {"type": "ray", "num_workers": 2, "resources_per_worker": {"CPU":
 
 @pytest.fixture(scope="module")
 def ray_cluster():
+    # ray.init leaves its SIGTERM handler installed after shutdown: later tests in this
+    # process check the run's own signal handling
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     # address "local": a new cluster even when another one on this machine is (or was) running
     ray.init(
         address="local",
@@ -41,6 +44,8 @@ def ray_cluster():
     ray.data.DataContext.get_current().enable_progress_bars = False
     yield ray.get_runtime_context().gcs_address
     ray.shutdown()
+    for s, handler in saved.items():
+        signal.signal(s, handler)
 
 
 def _jobs(model_dir: Path, root: Path, rows=None, **sections) -> tuple[Path, Path]:
