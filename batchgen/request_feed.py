@@ -20,6 +20,7 @@ from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from batchgen.job_spec import JobSpec
+from batchgen.row_sampling import RowSampling
 from batchgen.rows import PreparedRow, ResultRow
 
 # A row in the failing step of this many engine failures is retried alone.
@@ -34,27 +35,10 @@ def derive_seed(job_seed: int, row_id: str, n_index: int) -> int:
 
 
 def sampling_params(job: JobSpec, seed: int, row: PreparedRow | None = None):
-    """The engine parameters of one completion: the row's own when it has them."""
-    if row is not None and row.sampling is not None:
-        return row.sampling.engine_params(seed)
-    from engine import SamplingParams
-
-    s = job.sampling
-    return SamplingParams(
-        n=1,
-        temperature=s.temperature,
-        top_p=s.top_p,
-        top_k=s.top_k,
-        min_p=s.min_p,
-        max_tokens=s.max_tokens,
-        stop=list(s.stop or []),
-        seed=seed,
-        presence_penalty=s.presence_penalty,
-        frequency_penalty=s.frequency_penalty,
-        logprobs=s.engine_logprobs,
-        response_format=s.response_format,
-        json_whitespace=s.json_whitespace,
-    )
+    """The engine parameters of one completion: the row's own when it has them, else the
+    job's."""
+    sampling = row.sampling if row is not None and row.sampling is not None else None
+    return (sampling or RowSampling.from_job(job.sampling)).engine_params(seed)
 
 
 def request_id(seq: int, n_index: int) -> str:
