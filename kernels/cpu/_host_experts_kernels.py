@@ -29,6 +29,8 @@ from numba import float32, int8, int32, int64, prange, types, uint8, void
 from numba.core import cgutils
 from numba.extending import intrinsic
 
+from kernels.formats.mxfp4 import E2M1_VALUES
+
 ROWS = 4  # R: rows per row block; R x 16 bytes = one 64-byte line per 32-value block
 GROUP = 32  # values per E8M0 scale and per int8 activation scale
 HALF = GROUP // 2  # bytes per row per block
@@ -324,24 +326,7 @@ def float_dot(tokens: int):
 _FLOAT_DOT_1, _FLOAT_DOT_2, _FLOAT_DOT_3, _FLOAT_DOT_4 = (float_dot(t) for t in range(1, 5))
 
 
-_E2M1_FLOATS = [
-    0.0,
-    0.5,
-    1.0,
-    1.5,
-    2.0,
-    3.0,
-    4.0,
-    6.0,
-    -0.0,
-    -0.5,
-    -1.0,
-    -1.5,
-    -2.0,
-    -3.0,
-    -4.0,
-    -6.0,
-]
+_E2M1_FLOATS = list(E2M1_VALUES)  # code -> value, the table kernels/formats decodes by
 
 
 @intrinsic
