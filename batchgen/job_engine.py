@@ -7,9 +7,11 @@ from __future__ import annotations
 from batchgen.job_spec import JobSpec
 
 
-def load_llm(job: JobSpec, max_num_seqs: int | None = None):
+def load_llm(job: JobSpec, max_num_seqs: int | None = None, expected_seq_len: int | None = None):
     """The engine for a job (imported here: engine loading pulls in torch models).
-    `max_num_seqs` overrides the job's (an engine rebuilt after running out of memory)."""
+    `max_num_seqs` overrides the job's (an engine rebuilt after running out of memory);
+    with neither, the engine picks it ("auto") for sequences of `expected_seq_len` tokens
+    (batchgen/job_lengths.py; None: the model's context)."""
     from engine import LLM
 
     kwargs = {
@@ -23,9 +25,8 @@ def load_llm(job: JobSpec, max_num_seqs: int | None = None):
     }
     if job.model.max_model_len is not None:
         kwargs["max_model_len"] = job.model.max_model_len
-    max_num_seqs = max_num_seqs or job.batching.max_num_seqs
-    if max_num_seqs is not None:
-        kwargs["max_num_seqs"] = max_num_seqs
+    kwargs["max_num_seqs"] = max_num_seqs or job.batching.max_num_seqs or "auto"
+    kwargs["expected_seq_len"] = expected_seq_len
     kwargs["batch_invariant"] = job.batching.batch_invariant
     kwargs["enable_prefix_caching"] = job.batching.prefix_caching
     if job.batching.max_num_batched_tokens is not None:

@@ -217,11 +217,8 @@ def build_report(
         "cluster_names": {str(k): v for k, v in (labels or {}).items()},
         "per_cluster": _per_cluster(run_dir, labels),
         "mean_distinct_experts": routing_by_cluster(run_dir).get("all"),
-        "expert_placement": (
-            json.loads(run_dir.expert_placement_file.read_text())
-            if run_dir.expert_placement_file.exists()
-            else None
-        ),
+        "expert_placement": run_dir.engine_choice("expert_placement"),
+        "batch_size": run_dir.engine_choice("batch_size"),
         "workers": per_worker(run_dir),
         **summarize(EngineFaultLog(run_dir.path).events()),
         "generated": time.time(),
@@ -256,6 +253,13 @@ def render_markdown(report: dict) -> str:
             f"{placement['experts_on_host']:,} computed on the host "
             f"({placement['host_expert_bytes'] / 2**30:.1f} GiB); expected share of routes "
             "on the host: " + ("unknown" if share is None else f"{share:.1%}")
+        )
+    batch = report.get("batch_size")
+    if batch:
+        lines.append(
+            f"- max_num_seqs: {batch['max_num_seqs']:,}, chosen by the engine: its KV cache "
+            f"holds {batch['kv_holds']:,} sequences of {batch['expected_seq_len']:,} tokens "
+            f"(the job's mean prompt + max_tokens), at most {batch['cap']:,}"
         )
     lines += ["", "## Status", "", "| status | result rows |", "|---|---|"]
     for k, v in sorted(report["status"].items()):

@@ -24,6 +24,7 @@ from batchgen.engine_supervisor import (
 )
 from batchgen.job_context import JobContext, open_job
 from batchgen.job_engine import load_llm
+from batchgen.job_lengths import expected_seq_len
 from batchgen.job_spec import JobError, JobSpec
 from batchgen.planner import ClusterLabels, cluster_mode, log_cluster_mode, plan_rows
 from batchgen.progress import Progress
@@ -401,7 +402,9 @@ def _run_locked(
     if finished is not None:
         return finished
     if llm is None:
-        llm = load_llm(job)
+        # the engine sizes its batch by the job's lengths unless the job sets max_num_seqs
+        expected = None if job.batching.max_num_seqs else expected_seq_len(ctx)
+        llm = load_llm(job, expected_seq_len=expected)
     check_response_format(job, llm)
     recording = start_routing_stats(job, llm)
     renderer = make_renderer(ctx, llm)
@@ -424,7 +427,8 @@ def _run_locked(
         session=session_id,
         in_input_order=job.output.order == "input",
     )
-    run_dir.save_expert_placement(getattr(llm, "expert_placement", None))
+    run_dir.save_engine_choice("expert_placement", getattr(llm, "expert_placement", None))
+    run_dir.save_engine_choice("batch_size", getattr(llm, "batch_size_choice", None))
     engine = supervise_engine(llm, job, run_dir, session_id, recording)
     del llm  # the supervisor holds the one reference, so a restart frees the old engine
     rows = (row for row in ctx.input.rows() if row.id not in session.done_ids)

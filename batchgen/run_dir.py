@@ -128,15 +128,21 @@ class RunDir:
         self.progress_file = self.path / "progress.json"
         self.success = self.path / "_SUCCESS"
         self.clusters_file = self.path / "clusters.json"
-        self.expert_placement_file = self.path / "expert_placement.json"
 
-    def save_expert_placement(self, summary: dict | None) -> None:
-        """The engine's expert placement for the reports (engine LLM.expert_placement);
-        a run with every expert on the GPU has none."""
+    def save_engine_choice(self, name: str, summary: dict | None) -> None:
+        """What the engine of the latest session decided for itself, for the reports
+        (<name>.json): `expert_placement` (LLM.expert_placement; none when every expert
+        is on the GPU), `batch_size` (LLM.batch_size_choice; none when the job set
+        max_num_seqs)."""
+        path = self.path / f"{name}.json"
         if summary is None:
-            self.expert_placement_file.unlink(missing_ok=True)
+            path.unlink(missing_ok=True)
             return
-        write_atomic(self.expert_placement_file, json.dumps(summary, indent=1) + "\n")
+        write_atomic(path, json.dumps(summary, indent=1) + "\n")
+
+    def engine_choice(self, name: str) -> dict | None:
+        path = self.path / f"{name}.json"
+        return json.loads(path.read_text()) if path.exists() else None
 
     def exists(self) -> bool:
         return self.job_file.exists()

@@ -72,7 +72,11 @@ class EngineConfig:
     model: str
     device: str = "auto"
     dtype: str = "auto"
-    max_num_seqs: int = 64
+    # Sequences decoding at once; "auto": the model runner picks it from the KV budget at
+    # expected_seq_len tokens per sequence (None: max_model_len), capped per device
+    # (engine/batch_size.py), and stores the number here.
+    max_num_seqs: int | str = 64
+    expected_seq_len: int | None = None
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     kv_cache_memory: int | None = None  # bytes; None: a share of what the device has free
@@ -117,8 +121,14 @@ class EngineConfig:
         return cls(model=str(model), cuda=CudaTuning(**tuning), **options)
 
     def __post_init__(self) -> None:
-        if self.max_num_seqs < 1:
-            raise ValueError(f"max_num_seqs must be >= 1, got {self.max_num_seqs}")
+        if self.max_num_seqs != "auto" and (
+            isinstance(self.max_num_seqs, bool)
+            or not isinstance(self.max_num_seqs, int)
+            or self.max_num_seqs < 1
+        ):
+            raise ValueError(f"max_num_seqs must be >= 1 or 'auto', got {self.max_num_seqs!r}")
+        if self.expected_seq_len is not None and self.expected_seq_len < 1:
+            raise ValueError(f"expected_seq_len must be >= 1, got {self.expected_seq_len}")
         if self.max_num_batched_tokens < 1:
             raise ValueError(
                 f"max_num_batched_tokens must be >= 1, got {self.max_num_batched_tokens}"

@@ -51,6 +51,12 @@ class LLM:
         resolved): after `stream` raises, the requests the failure concerns."""
         return self.engine.requests_in_step
 
+    @property
+    def batch_size_choice(self) -> dict | None:
+        """How max_num_seqs "auto" was resolved (engine/batch_size.py); None when it was given."""
+        choice = self.engine.runner.batch_size_choice
+        return None if choice is None else choice.as_dict()
+
     def reset_prefix_cache(self, enabled: bool | None = None) -> None:
         """Forget every cached prefix (between jobs: the next one starts cold). `enabled`
         turns caching on or off from now on (None: as it is); only while nothing runs."""

@@ -15,6 +15,7 @@ import psutil
 import torch
 
 from engine.backends.prepare import prepare_model
+from engine.batch_size import BatchSizeChoice, auto_cap, choose_max_num_seqs
 from engine.block_manager import BlockManager
 from engine.config import EngineConfig
 from engine.expert_offload import choose_placement
@@ -82,8 +83,17 @@ class ModelRunner:
         prepare_model(self.model, DeviceSetup(self.device, self.dtype, self.max_model_len,
                                               config.cuda, config.batch_invariant))  # fmt: skip
         decode_graphs = self._decode_graphs_apply()
-        num_state_slots = self._allocate_sequence_state(scratch=decode_graphs)
+        self.decode_graphs = decode_graphs
+        # max_num_seqs "auto" (engine/batch_size.py): the warm-ups run with one state slot,
+        # then the KV budget decides the number and the state gets a slot per sequence
+        self.batch_size_choice: BatchSizeChoice | None = None
+        auto = config.max_num_seqs == "auto"
+        num_state_slots = self._allocate_sequence_state(
+            1 if auto else config.max_num_seqs, scratch=decode_graphs
+        )
         kv_blocks = self._allocate_kv_cache()
+        if auto:
+            num_state_slots = self.sequence_state_slots
         # The one place the scratch block (and state slot) is decided: the decode graphs'
         # padding rows write and read the cache's last block and the last state slot,
         # which the block manager never hands out.
@@ -180,13 +190,14 @@ class ModelRunner:
         model.load_weights(source.iter_weights())
         return model.eval()
 
-    def _allocate_sequence_state(self, scratch: bool) -> int:
+    def _allocate_sequence_state(self, num_seqs: int, scratch: bool) -> int:
         """The model's fixed per-sequence state (CausalLM.state_specs), one slot for each
-        sequence that can run at once, plus with `scratch` one more that no sequence owns
-        (the decode graphs' padding rows); returns the sequences' slot count (0: the model
-        has none)."""
+        of `num_seqs` sequences, plus with `scratch` one more that no sequence owns (the
+        decode graphs' padding rows); returns the sequences' slot count (0: the model has
+        none)."""
         specs = self.model.state_specs()
-        slots = self.config.max_num_seqs if specs else 0
+        slots = num_seqs if specs else 0
+        self.sequence_state_slots = slots
         allocated = slots + int(scratch and slots > 0)
         self.sequence_state = [
             torch.zeros(allocated, *s.shape, dtype=s.dtype or self.dtype, device=self.device)
@@ -206,32 +217,40 @@ class ModelRunner:
         specs = self.model.cache_specs()
         per_block = sum(s.bytes_per_block(self.block_size, self.dtype) for s in specs)
         per_token = per_block / self.block_size
+        auto = self.config.max_num_seqs == "auto"
+        tokens = self.max_model_len + 1 + self.config.speculative_tokens
+        blocks_per_seq = -(-tokens // self.block_size)
         budget = self.config.kv_cache_memory
         if budget is not None:  # the user's figure covers the sequences' fixed state too
-            paged = budget - self.state_bytes
-        elif self.device.type == "cuda":  # sized after a warm-up forward
+            pass
+        elif self.device.type == "cuda":  # sized after warm-up forwards
             from engine.backends.cuda.memory import kv_cache_budget
+            from engine.cuda_graph_runner import capture_buckets
 
+            most = auto_cap(self.device) if auto else self.config.max_num_seqs
             # measured with the sequence state already allocated: what is left is paged
-            paged = budget = kv_cache_budget(
+            budget = self.state_bytes + kv_cache_budget(
                 self.model,
                 self.dtype,
                 self.device,
                 self.block_size,
                 min(self.config.max_num_batched_tokens, self.max_model_len - 1),
                 int(self.source.config.get("vocab_size", 2)),
-                self.config.max_num_seqs,
+                capture_buckets(most)[-1] if self.decode_graphs else 0,
+                self.max_model_len,
             )
             for state in self.sequence_state:
                 state.zero_()  # the warm-up wrote into slot 0
         else:
             budget = min(2 << 30, int(psutil.virtual_memory().available * 0.25))
+        if auto:
+            self._choose_max_num_seqs(budget, per_block)
+        paged = budget - self.state_bytes
+        if self.config.kv_cache_memory is None and self.device.type != "cuda":
             # Never more than max_num_seqs sequences of max_model_len tokens can hold:
             # a small model gets the megabytes it can use, not 2 GiB of zeros to write
             # (and to keep resident) on every start.
-            tokens = self.max_model_len + 1 + self.config.speculative_tokens
-            blocks_per_seq = -(-tokens // self.block_size)
-            paged = min(budget, self.config.max_num_seqs * blocks_per_seq * per_block)
+            paged = min(paged, self.config.max_num_seqs * blocks_per_seq * per_block)
         num_blocks = int(paged // per_block)
         if num_blocks < 2:
             raise ValueError(
@@ -259,6 +278,32 @@ class ModelRunner:
             num_blocks * per_block / 2**20,
         )
         return num_blocks
+
+    def _choose_max_num_seqs(self, budget: int, per_block: int) -> None:
+        """max_num_seqs "auto": the number `budget` bytes of state and KV cache hold at the
+        expected sequence length, written into the config (the scheduler and the graphs
+        read it there); the state is reallocated with a slot per sequence."""
+        expected = self.config.expected_seq_len or self.max_model_len
+        expected = min(expected, self.max_model_len) + 1 + self.config.speculative_tokens
+        state_per_seq = sum(s.bytes_per_sequence(self.dtype) for s in self.model.state_specs())
+        choice = choose_max_num_seqs(
+            budget - state_per_seq * int(self.decode_graphs),  # the graphs' scratch slot
+            per_block,
+            state_per_seq,
+            self.block_size,
+            expected,
+            auto_cap(self.device),
+        )
+        self.batch_size_choice = choice
+        self.config.max_num_seqs = choice.max_num_seqs
+        self._allocate_sequence_state(choice.max_num_seqs, scratch=self.decode_graphs)
+        log.info(
+            "max_num_seqs auto: %d (the KV budget holds %d sequences of %d tokens; cap %d)",
+            choice.max_num_seqs,
+            choice.kv_holds,
+            expected,
+            choice.cap,
+        )
 
     def prepare(self, batch: ScheduledBatch):
         """Flattened inputs and the attention context for a scheduled batch. A sequence's

@@ -26,9 +26,20 @@ from engine.sequence import PENDING_TOKEN, Sequence
 
 def test_capture_buckets_cover_max_num_seqs():
     assert capture_buckets(1) == [1]
-    assert capture_buckets(64) == [1, 2, 4, 8, 16, 32, 64]
-    assert capture_buckets(100) == [1, 2, 4, 8, 16, 32, 64, 128]
-    assert capture_buckets(1000) == [1, 2, 4, 8, 16, 32, 64, 128, 256]
+    assert capture_buckets(64) == [1, 2, 4, 8, 16, 24, 32, 48, 64]
+    assert capture_buckets(100) == [1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128]
+    assert capture_buckets(1000)[-3:] == [768, 896, 1024]
+    # past the listed buckets, one every LARGE_BUCKET_STEP rows up to max_num_seqs
+    assert capture_buckets(1500)[-3:] == [1024, 1280, 1536]
+
+
+@pytest.mark.parametrize("n", [1, 3, 17, 100, 257, 513, 1000, 1024, 1025, 2000])
+def test_every_batch_up_to_max_num_seqs_has_a_bucket(n):
+    buckets = capture_buckets(n)
+    assert buckets == sorted(set(buckets))
+    assert all(bucket_for(k, buckets) is not None for k in range(1, n + 1))
+    # padding stays within a quarter of the bucket past 16 rows (a step's cost grows with rows)
+    assert all(bucket_for(k, buckets) <= max(16, k * 1.5) for k in range(1, n + 1))
     with pytest.raises(ValueError, match="max_num_seqs"):
         capture_buckets(0)
 
