@@ -42,6 +42,7 @@ from kernels.triton._fp8_linear_kernels import (
 )
 
 OP = "fp8_linear"
+FIXED_TABLE = "fixed_linear"  # the invariant configs, keyed by N and K alone
 # Largest M the GEMV kernel takes: its registers grow with M (sm_90 build: ~245 per thread
 # at M=8 with 32-row tiles, spills at 16), and at 8 FMAs per weight byte it is near the
 # float32 FMA rate, where a 16-row MMA tile wastes little.
@@ -116,9 +117,16 @@ def default_config(m: int, n: int, k: int, device: torch.device, native_fp8: boo
 
 def fixed_config(n: int, k: int, device: torch.device) -> dict:
     """A config chosen from N and K alone, for callers that need a row's bits not to depend
-    on how many rows it is computed with: always the bf16-decode dot kernel (no GEMV, no
-    native FP8, which are picked by M), 16-row tiles, and a K split fixed per shape (the
-    partials are summed in split order)."""
+    on how many rows it is computed with: the tuned one for this device
+    (kernels/tune/invariant_linear.py), else heuristic_fixed_config."""
+    return configs.lookup(FIXED_TABLE, f"fp8_N{n}_K{k}", device) or heuristic_fixed_config(
+        n, k, device
+    )
+
+
+def heuristic_fixed_config(n: int, k: int, device: torch.device) -> dict:
+    """Always the bf16-decode dot kernel (no GEMV, no native FP8, which are picked by M),
+    16-row tiles, and a K split fixed per shape (the partials are summed in split order)."""
     block_n, block_k = 64, 128
     split = max(1, min(triton.cdiv(4 * sm_count(device), triton.cdiv(n, block_n)),
                        triton.cdiv(k, block_k) // 4))  # fmt: skip

@@ -16,13 +16,29 @@ from __future__ import annotations
 import torch
 import triton
 
+from kernels.triton import configs
 from kernels.triton._common import check_device, interpreting, sm_count
 from kernels.triton._matmul_kernels import fixed_matmul_kernel, split_sum_kernel
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
 
+TABLE = "fixed_linear"  # kernels/triton/configs/fixed_linear.json, by shape_key
+
+
+def shape_key(n: int, k: int, dtype: torch.dtype) -> str:
+    return f"matmul_{str(dtype).removeprefix('torch.')}_N{n}_K{k}"
+
+
 def fixed_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict:
+    """The launch config of every call on an [N, K] operand: the tuned one for this device
+    (kernels/tune/invariant_linear.py), else heuristic_config. Never a function of M."""
+    return configs.lookup(TABLE, shape_key(n, k, dtype), device) or heuristic_config(
+        n, k, dtype, device
+    )
+
+
+def heuristic_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -> dict:
     """Tiles of 64 rows (a decode step's few rows waste MMA lanes, not bandwidth: the weight
     is read once per row tile) and 64 columns; K split until the column tiles x splits
     give every SM a program, each split keeping >= 4 steps of BLOCK_K."""
@@ -45,17 +61,25 @@ def fixed_bmm(
     return _launch(a, b.transpose(1, 2), out_dtype or a.dtype)
 
 
-def fixed_linear(x: torch.Tensor, weight: torch.Tensor, out_dtype: torch.dtype | None = None):
-    """x [..., K] @ weight [N, K]^T -> [..., N] in out_dtype (default x's)."""
+def fixed_linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    out_dtype: torch.dtype | None = None,
+    config: dict | None = None,
+):
+    """x [..., K] @ weight [N, K]^T -> [..., N] in out_dtype (default x's). `config`
+    overrides fixed_config (the tuner's candidates)."""
     assert weight.dim() == 2 and x.shape[-1] == weight.shape[1], (
         f"x [..., {x.shape[-1]}] vs weight {list(weight.shape)}"
     )
     lead = x.shape[:-1]
-    y = _launch(x.reshape(1, -1, x.shape[-1]), weight[None], out_dtype or x.dtype)
+    y = _launch(x.reshape(1, -1, x.shape[-1]), weight[None], out_dtype or x.dtype, config)
     return y.reshape(*lead, weight.shape[0])
 
 
-def _launch(a: torch.Tensor, b_nk: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
+def _launch(
+    a: torch.Tensor, b_nk: torch.Tensor, out_dtype: torch.dtype, config: dict | None = None
+) -> torch.Tensor:
     """a [S, M, K] @ b_nk [S, N, K]^T."""
     assert a.dtype in DTYPES and b_nk.dtype == a.dtype, (
         f"operands must share one of {DTYPES}: {a.dtype}, {b_nk.dtype}"
@@ -66,7 +90,7 @@ def _launch(a: torch.Tensor, b_nk: torch.Tensor, out_dtype: torch.dtype) -> torc
     out = torch.empty((s, m, n), dtype=out_dtype, device=a.device)
     if out.numel() == 0:
         return out
-    cfg = fixed_config(n, k, a.dtype, a.device)
+    cfg = config or fixed_config(n, k, a.dtype, a.device)
     split = cfg["SPLIT_K"]
     part = (
         out if split == 1 else torch.empty((split, s, m, n), dtype=torch.float32, device=a.device)

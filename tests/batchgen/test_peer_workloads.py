@@ -1,0 +1,50 @@
+"""The vLLM comparison's workloads: the anchor's prompts exactly, distinct long prompts."""
+
+from batchgen.bench import peer_workloads as w
+
+
+def test_short_prompts_are_the_anchors():
+    reqs = w.short(3)
+    assert reqs[2].prompt == [(7 * 2 + 13 * j) % 160000 + 2 for j in range(128)]
+    assert {r.max_tokens for r in reqs} == {128}
+
+
+def test_long_prompts_share_no_prefix():
+    reqs = w.long(512, prompt_len=50)
+    assert len({r.prompt[0] for r in reqs}) == 512
+    assert all(len(r.prompt) == 50 and r.max_tokens == 256 for r in reqs)
+    assert all(2 <= t < 160002 for r in reqs for t in r.prompt)
+
+
+def test_mixed_is_seeded_and_in_range():
+    a, b = w.mixed(64), w.mixed(64)
+    assert a == b
+    assert all(100 <= len(r.prompt) <= 8000 and 32 <= r.max_tokens <= 512 for r in a)
+    assert len({r.prompt[0] for r in a}) == 64
+    s = w.summary(a)
+    assert s["output_tokens"] == sum(r.max_tokens for r in a)
+
+
+def test_peer_bench_runs_the_protocol_and_compares(tmp_path, monkeypatch, tiny_model_dir):
+    import json
+
+    from click.testing import CliRunner
+
+    from batchgen.bench.peer import command
+
+    monkeypatch.setattr(w, "VOCAB_SPAN", 200)  # the tiny model's vocabulary
+    monkeypatch.setattr("batchgen.bench.common.BENCH_DIR", tmp_path)
+    vllm = tmp_path / "vllm.json"
+    vllm.write_text(json.dumps({"results": [
+        {"engine": "vllm", "workload": "short", "batch": 2, "e2e_tok_s": 1.0, "decode_tok_s": 2.0},
+    ]}))  # fmt: skip
+    result = CliRunner().invoke(command, [
+        "--model", str(tiny_model_dir), "--device", "cpu", "--batches", "1,2",
+        "--prompt-len", "6", "--gen", "3", "--compare", str(vllm), "--name", "peer-test",
+    ])  # fmt: skip
+    assert result.exit_code == 0, result.output
+    rows = json.loads((tmp_path / "peer-test.json").read_text())["results"]
+    assert [r["batch"] for r in rows] == [1, 2]
+    assert rows[1]["e2e_tok_s_ratio_vs_vllm"] == rows[1]["e2e_tok_s"] / 1.0
+    assert rows[1]["decode_tok_s_ratio_vs_vllm"] == rows[1]["decode_tok_s"] / 2.0
+    assert "e2e_tok_s_ratio_vs_vllm" not in rows[0]
