@@ -123,10 +123,12 @@ def _give_the_cores_to_the_host_experts() -> dict:
 
     import numba
 
+    from kernels.cpu.host_experts import set_threads
+
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     torch_threads = min(TORCH_THREADS_WITH_HOST_EXPERTS, cores)
     torch.set_num_threads(torch_threads)
     numba_threads = max(1, min(numba.config.NUMBA_NUM_THREADS, cores - torch_threads))
-    numba.set_num_threads(numba_threads)
+    set_threads(numba_threads)  # in every thread a host call runs on, the driver's too
     sys.setswitchinterval(min(sys.getswitchinterval(), SWITCH_INTERVAL_WITH_HOST_EXPERTS_S))
     return {"torch_threads": torch_threads, "numba_threads": numba_threads}

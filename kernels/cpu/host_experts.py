@@ -39,9 +39,10 @@ when a call needs more (engine calls of one model come one after another on one 
 the checks are O(1) and skipped for a tensor set seen just before (a CUDA graph's pinned
 buffers, the same objects at every replay).
 
-Threads: the kernels run in numba's thread pool (`numba.set_num_threads(n)` before a call
-sets how many of its threads take part; the pool's size is fixed at the first parallel call
-by NUMBA_NUM_THREADS, default all cores). On a GPU run give numba the cores and keep torch's
+Threads: the kernels run in numba's thread pool; `set_threads(n)` says how many of its
+threads take part, in every thread that calls (numba's own set_num_threads holds only for
+the thread that calls it, and a CUDA graph's host nodes run on the driver's thread). The
+pool's size is fixed at the first parallel call by NUMBA_NUM_THREADS, default all cores. On a GPU run give numba the cores and keep torch's
 pool small (`torch.set_num_threads(1)` or 2), so their spinning threads do not take each
 other's cores (docs/notes-cpu-decode.md measured 7 ms per matmul lost on 2 cores to that).
 
@@ -54,6 +55,7 @@ from __future__ import annotations
 import math
 import threading
 
+import numba
 import numpy as np
 import torch
 
@@ -295,6 +297,23 @@ class _ThreadState:
         self.seen = _SeenTensors()
 
 
+_threads: int | None = None  # set_threads; None: numba's default in each thread
+
+
+def set_threads(n: int | None) -> None:
+    """How many of numba's threads each host expert call uses, whichever thread makes it
+    (None: numba's default, NUMBA_NUM_THREADS)."""
+    global _threads
+    if n is not None and n < 1:
+        raise ValueError(f"threads must be >= 1, got {n}")
+    _threads = n
+
+
+def _use_threads() -> None:
+    if _threads is not None and numba.get_num_threads() != _threads:
+        numba.set_num_threads(min(_threads, numba.config.NUMBA_NUM_THREADS))
+
+
 # By OS thread id, not threading.local: the CUDA driver runs a graph's host nodes on its own
 # thread through ctypes, which gives each callback a new Python thread state (and so an
 # empty threading.local), while the thread itself, and its id, stay the same.
@@ -431,6 +450,7 @@ def _run(experts, slot_of, x, ids, weights, swiglu_limit, out, ids_name, what) -
             f"experts must be HostMxfp4Experts or HostFp8Experts, got {type(experts).__name__}"
         )
     state = _thread_state()
+    _use_threads()
     seen = state.seen
     arrays = seen.arrays(experts.hidden, x, ids, weights, out)
     if arrays is None:

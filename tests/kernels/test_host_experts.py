@@ -360,3 +360,31 @@ def test_float32_decode_gives_the_formats_values_exactly():
                     experts.gate_up, experts.gate_up_scales, s, rb, rows_of[r], row
                 )
                 assert torch.equal(torch.from_numpy(row), want[i]), (s, name, i)
+
+
+def test_the_thread_count_holds_in_every_calling_thread():
+    # numba's own setting is per thread: a CUDA graph's host node calls from the driver's
+    import threading
+
+    import numba
+
+    from kernels.cpu import host_experts
+
+    experts = _host(HostMxfp4Experts, _stored(quantize_mxfp4, 4, 64, 96, seed=5))
+    x, ids, weights = _inputs(3, 2, 4, 64, seed=6)
+    seen = []
+
+    def call():
+        _forward(experts, x, ids, weights, None)
+        seen.append(numba.get_num_threads())
+
+    try:
+        host_experts.set_threads(1)
+        thread = threading.Thread(target=call)
+        thread.start()
+        thread.join()
+        assert seen == [1]
+    finally:
+        host_experts.set_threads(None)
+    with pytest.raises(ValueError, match="threads must be >= 1"):
+        host_experts.set_threads(0)
