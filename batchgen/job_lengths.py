@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import itertools
 
-from batchgen.job_context import JobContext, open_tokenizer
+from batchgen.job_context import JobContext
 from batchgen.row_preparer import RowPreparer
 
 SAMPLE_ROWS = 256
@@ -15,8 +15,18 @@ SAMPLE_ROWS = 256
 def expected_seq_len(ctx: JobContext, sample_rows: int = SAMPLE_ROWS) -> int | None:
     """Mean prompt + max output tokens of the first `sample_rows` rows that render (None:
     none does; the engine then assumes its context length). Reads only those rows."""
+    from engine.loader import open_model_source
+
     job = ctx.job
-    tokenizer, context = open_tokenizer(job)
+    try:
+        source = open_model_source(job.model.path)
+    except (OSError, ValueError, RuntimeError):
+        return None  # the engine's load says what is wrong, by name
+    tokenizer = source.tokenizer
+    if tokenizer is None:
+        return None
+    # the model's declared context (never a load of the model to learn its default)
+    context = min(x for x in (source.declared_context, job.model.max_model_len, 1 << 30) if x)
     preparer = RowPreparer(job, tokenizer, context, ctx.carry_map, ctx.format)
     lengths = []
     for row in itertools.islice(ctx.input.rows(), sample_rows):
