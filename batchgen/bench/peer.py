@@ -10,7 +10,8 @@ Protocol (the anchor's, ../shared/tools/vllm-anchor/vllm_moonlight.py):
 - short: a warm-up of 4 requests x 8 tokens; per batch a warm pass (4 new tokens), t1 =
   the batch with 1 new token (prefill and one sample), tg = the batch with `--gen`;
   e2e_tok_s = batch x gen / tg, decode_tok_s = batch x (gen - 1) / (tg - t1),
-  prefill_tok_s = prompt tokens / t1.
+  prefill_tok_s = prompt tokens / t1. Then, untimed, a pass of 16 new tokens with routing
+  recorded: the distinct experts per MoE layer per decode step (against uniform routing's).
 - long, mixed: a warm pass of 64 requests of the shape, t1 = the workload's shape with 1
   new token, t = the whole workload (each pass on prompts of its own: peer_workloads); e2e_tok_s = output tokens / t, prefill_tok_s = prompt tokens / t1.
 Runs on a CUDA GPU, also as `python -m batchgen.bench.peer` (torch, click; no polars).
@@ -60,6 +61,30 @@ def _engine_info(llm, load_s: float) -> dict:
     }
 
 
+ROUTING_TOKENS = 16  # decode steps of the routing pass (eager: recording leaves the graphs)
+
+
+def distinct_experts(llm, requests, temperature: float) -> dict:
+    """Distinct routed experts per MoE layer per decode step, from one more pass of the
+    batch with routing recorded (after the timed ones: recording steps run eagerly), and
+    what uniform routing would touch, E x (1 - (1 - k/E)^batch). Empty for a model
+    without routed experts."""
+    if not llm.record_routing(True):
+        return {}
+    try:
+        _generate(llm, requests, temperature)
+        decode = llm.routing_stats()["decode"]
+    finally:
+        llm.record_routing(False)
+    config = llm.engine.runner.source.config
+    experts, top_k = config.get("n_routed_experts"), config.get("num_experts_per_tok")
+    out = {"distinct_experts_per_layer_step": round(decode["mean_distinct_experts"], 2)}
+    if experts and top_k:
+        uniform = experts * (1 - (1 - top_k / experts) ** len(requests))
+        out["distinct_experts_uniform"] = round(uniform, 2)
+    return out
+
+
 def run_short(llm, batches, prompt_len: int, gen: int, temperature: float, weights: str):
     _generate(llm, workloads.short(4, prompt_len, 8), temperature)
     rows = []
@@ -68,7 +93,9 @@ def run_short(llm, batches, prompt_len: int, gen: int, temperature: float, weigh
         _generate(llm, workloads.scaled(reqs, 4), temperature)
         t1, _ = _generate(llm, workloads.scaled(reqs, 1), temperature)
         tg, made = _generate(llm, reqs, temperature)
+        distinct = distinct_experts(llm, workloads.scaled(reqs, ROUTING_TOKENS), temperature)
         row = {"engine": "batchgen", "workload": "short", "weights": weights, "batch": b,
+               **distinct,
                "temperature": temperature, "e2e_tok_s": made / tg,
                "decode_tok_s": b * (gen - 1) / max(tg - t1, 1e-9),
                "prefill_tok_s": b * prompt_len / t1, "t_gen_s": tg, "t_prefill1_s": t1}  # fmt: skip

@@ -48,3 +48,24 @@ def test_peer_bench_runs_the_protocol_and_compares(tmp_path, monkeypatch, tiny_m
     assert rows[1]["e2e_tok_s_ratio_vs_vllm"] == rows[1]["e2e_tok_s"] / 1.0
     assert rows[1]["decode_tok_s_ratio_vs_vllm"] == rows[1]["decode_tok_s"] / 2.0
     assert "e2e_tok_s_ratio_vs_vllm" not in rows[0]
+
+
+def test_peer_bench_reports_distinct_experts_on_a_moe_model(tmp_path, monkeypatch):
+    import json
+
+    from click.testing import CliRunner
+
+    from batchgen.bench.peer import command
+    from engine.checkpoint_maker import make_random_checkpoint
+
+    model = make_random_checkpoint(tmp_path / "moe", preset="tiny", seed=2)
+    monkeypatch.setattr(w, "VOCAB_SPAN", 200)
+    monkeypatch.setattr("batchgen.bench.common.BENCH_DIR", tmp_path)
+    args = ["--model", str(model), "--device", "cpu", "--batches", "4", "--prompt-len", "6",
+            "--gen", "3", "--name", "peer-moe"]  # fmt: skip
+    result = CliRunner().invoke(command, args)
+    assert result.exit_code == 0, result.output
+    (row,) = json.loads((tmp_path / "peer-moe.json").read_text())["results"]
+    # tiny preset: 8 routed experts, top-2; 4 rows touch 2 to 8 per layer and step
+    assert 2 <= row["distinct_experts_per_layer_step"] <= 8
+    assert row["distinct_experts_uniform"] == round(8 * (1 - (1 - 2 / 8) ** 4), 2)
