@@ -4,7 +4,7 @@ engine against the memory roofline and (V3 family) transformers' `generate`.
 V3 (the default `--arch deepseek_v3`), in one process: measure the device copy bandwidth; generate a random checkpoint on the GPU
 (`make_random_checkpoint`, Moonlight-16B-A3B shapes by default) in bf16 and in FP8 dense +
 MXFP4 experts; run our engine at each batch size (prompts of 128 random tokens, 128 new
-tokens, ignore_eos); profile one decode step (kernel launches, host time); then run
+tokens, ignore_eos, sampled at temperature 1.0 by default); profile one decode step (kernel launches, host time); then run
 transformers' DeepseekV3ForCausalLM `generate` on the same bf16 checkpoint.
 
 Per batch size it prints tok/s, ms per decode step, the fraction of the roofline and the
@@ -1089,7 +1089,7 @@ def _ints(text: str) -> tuple[int, ...]:
 ARCH_DEFAULTS = {
     "deepseek_v3": {"preset": "moonlight-16b-a3b", "layers": None, "weights": "bf16,fp8-mxfp4",
                     "hf_batches": ",".join(map(str, HF_BATCHES)), "prompt_len": 128,
-                    "new_tokens": 128, "temperature": 0.0, "name": "decode-h200-moonlight"},
+                    "new_tokens": 128, "temperature": 1.0, "name": "decode-h200-moonlight"},
     "deepseek_v4": {"preset": "v4-flash", "layers": 4, "weights": "fp8-mxfp4", "hf_batches": "",
                     "prompt_len": 512, "new_tokens": 32, "temperature": 1.0, "name": None},
 }  # fmt: skip
@@ -1157,8 +1157,9 @@ ARCH_DEFAULTS = {
     help="A `bench routing --out` file that --expert-offload auto ranks experts by.",
 )
 @click.option("--temperature", type=float, default=None,
-              help="Our engine's requests: 0 is greedy (default 0 for V3, transformers stays "
-                   "greedy; 1.0 for V4's random weights).")  # fmt: skip
+              help="Our engine's requests: 0 is greedy. Default 1.0: greedy decoding of random "
+                   "weights emits one token per row and routing collapses onto a few experts "
+                   "(transformers stays greedy).")  # fmt: skip
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 def command(arch, preset, layers, weights, batches, hf_batches, prompt_len, new_tokens, workdir,
             in_memory, name, temperature, top_p, **engine_options):  # fmt: skip
