@@ -3,16 +3,24 @@ and timing protocol on vLLM's offline LLM.generate, over a random-weight (`load_
 "dummy"`) Moonlight-16B-A3B-shaped DeepSeek-V3 config, bf16 or FP8 block-scaled + MXFP4.
 Writes rows of the same schema (engine "vllm"). On the GPU machine, with vLLM installed as
 ../shared/tools/vllm-anchor/README.md says:
-    source payload/tools/env.sh; PYTHONPATH=. python3 scripts/vllm_peer.py --workload short --out v.json
+    source payload/tools/env.sh; python3 scripts/vllm_peer.py --workload short --out v.json
+The workloads module is loaded by its path, without PYTHONPATH: the repository's own
+`engine` and `kernels` packages must not shadow what vLLM imports.
 """
 
 import argparse
+import importlib.util
 import json
 import os
+import sys
 import tempfile
 import time
+from pathlib import Path
 
-from batchgen.bench import peer_workloads as workloads
+_WORKLOADS = Path(__file__).resolve().parents[1] / "batchgen" / "bench" / "peer_workloads.py"
+_spec = importlib.util.spec_from_file_location("peer_workloads", _WORKLOADS)
+workloads = sys.modules["peer_workloads"] = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(workloads)  # registered first: its dataclasses look it up
 
 MOONLIGHT = dict(
     architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3", torch_dtype="bfloat16",

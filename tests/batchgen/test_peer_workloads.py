@@ -69,3 +69,22 @@ def test_peer_bench_reports_distinct_experts_on_a_moe_model(tmp_path, monkeypatc
     # tiny preset: 8 routed experts, top-2; 4 rows touch 2 to 8 per layer and step
     assert 2 <= row["distinct_experts_per_layer_step"] <= 8
     assert row["distinct_experts_uniform"] == round(8 * (1 - (1 - 2 / 8) ** 4), 2)
+
+
+def test_vllm_side_runs_the_same_workloads_on_the_same_shape():
+    import importlib.util
+    from pathlib import Path
+
+    from engine.checkpoint_maker import PRESETS
+
+    path = Path(__file__).resolve().parents[2] / "scripts" / "vllm_peer.py"
+    spec = importlib.util.spec_from_file_location("vllm_peer", path)
+    script = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(script)  # vllm is imported only when it runs
+    assert script.workloads.short(2)[1].prompt == w.short(2)[1].prompt
+    pairs = [(r.prompt, r.max_tokens) for r in script.workloads.mixed(8)]
+    assert pairs == [(r.prompt, r.max_tokens) for r in w.mixed(8)]
+    ours = PRESETS["moonlight-16b-a3b"]
+    for key, value in script.MOONLIGHT.items():
+        if key in ours:
+            assert ours[key] == value, key
