@@ -30,7 +30,7 @@ MOONLIGHT = dict(
     scoring_func="sigmoid", norm_topk_prob=True, routed_scaling_factor=2.446,
     first_k_dense_replace=1, moe_layer_freq=1, q_lora_rank=None, kv_lora_rank=512,
     qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128, hidden_act="silu",
-    max_position_embeddings=16384, rope_theta=50000.0, rms_norm_eps=1e-5,
+    max_position_embeddings=8192, rope_theta=50000.0, rms_norm_eps=1e-5,
     tie_word_embeddings=False, bos_token_id=0, eos_token_id=1,
 )  # fmt: skip
 

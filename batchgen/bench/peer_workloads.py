@@ -6,7 +6,8 @@ vLLM's (scripts/vllm_peer.py): plain Python, no torch, so the vLLM environment i
 - long: overnight summarization: 512 distinct 4,000-token prompts (no two share a first
   token), 256 new tokens each.
 - mixed: a job of 512 requests, prompts of 100 to 8,000 tokens and outputs of 32 to 512,
-  drawn by random.Random(0); distinct prompts.
+  drawn by random.Random(0), each output cut to fit Moonlight's 8,192-token context beside
+  its prompt; distinct prompts.
 
 The long and mixed protocols give their warm-up and prefill-only passes prompts of their
 own (WARM_START, PREFILL_START), so the measured run meets no cached prefix. The short
@@ -51,12 +52,19 @@ def long(count: int = 512, prompt_len: int = 4000, gen: int = 256, start: int = 
     return [Request(distinct_prompt(start + i, prompt_len), gen) for i in range(count)]
 
 
+# Moonlight's context (max_position_embeddings) less the engines' margin of 16: a mixed
+# request's output is cut to fit beside its prompt (an 8,000-token prompt gets 176)
+CONTEXT = 8192 - 16
+
+
 def mixed(count: int = 512, seed: int = 0, start: int = 0) -> list[Request]:
     rng = random.Random(seed)
-    return [
-        Request(distinct_prompt(start + i, rng.randint(100, 8000)), rng.randint(32, 512))
-        for i in range(count)
-    ]
+    out = []
+    for i in range(count):
+        prompt_len, max_tokens = rng.randint(100, 8000), rng.randint(32, 512)
+        out.append(Request(distinct_prompt(start + i, prompt_len),
+                           min(max_tokens, CONTEXT - prompt_len)))  # fmt: skip
+    return out
 
 
 # prompt offsets of the long and mixed protocols' passes (below 160,000: first tokens stay

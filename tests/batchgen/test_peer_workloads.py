@@ -19,7 +19,8 @@ def test_long_prompts_share_no_prefix():
 def test_mixed_is_seeded_and_in_range():
     a, b = w.mixed(64), w.mixed(64)
     assert a == b
-    assert all(100 <= len(r.prompt) <= 8000 and 32 <= r.max_tokens <= 512 for r in a)
+    assert all(100 <= len(r.prompt) <= 8000 and 1 <= r.max_tokens <= 512 for r in a)
+    assert all(len(r.prompt) + r.max_tokens <= 8192 - 16 for r in w.mixed(512))
     assert len({r.prompt[0] for r in a}) == 64
     s = w.summary(a)
     assert s["output_tokens"] == sum(r.max_tokens for r in a)
