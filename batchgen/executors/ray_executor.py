@@ -4,10 +4,12 @@ actor, into the run directory the local executor uses (a path every node sees).
 The driver (the process that ran `batchgen run`) does what the local executor does
 before and after generation: the run lock, the run directory check, --retry-errors,
 clustering (stored in the run directory), the report. In between it plans the input as
-blocks (batchgen.executors.blocks) and hands them to a Ray Data actor pool
-(`map_batches` over a callable class, `concurrency` = num_workers); each actor builds
-the engine once and runs block after block through the local executor's RunLoop, writing
-each block's part under its own staging directory. The driver commits each part as it
+blocks (batchgen.executors.blocks: slices of row groups, committed rows left out) and
+runs a Ray Data pipeline over them: a datasource with one read task per block
+(batchgen.executors.block_source), into an actor pool (`map_batches` over a callable
+class, `concurrency` = num_workers); each actor builds the engine once and runs block
+after block through the local executor's RunLoop, writing each block's part under its own
+staging directory. The driver commits each part as it
 comes back: the only writer of _manifest.jsonl (batchgen.executors.staging).
 
 Faults: an actor that dies (killed, out of memory, node lost) is restarted by Ray and
@@ -163,6 +165,23 @@ def _signal_handlers_kept():
             signal.signal(s, handler)
 
 
+@contextmanager
+def _data_context(ray):
+    """Ray Data settings of the run's pipeline, put back on the way out (the driver may be
+    a process that goes on using Ray Data)."""
+    context = ray.data.DataContext.get_current()
+    saved = context.enable_progress_bars, context.target_max_block_size
+    # The driver's own progress lines and display count the run; Ray Data's bars would
+    # interleave with them.
+    context.enable_progress_bars = False
+    # A read task's output is never split: a block reaches its worker whole, as one part.
+    context.target_max_block_size = None
+    try:
+        yield
+    finally:
+        context.enable_progress_bars, context.target_max_block_size = saved
+
+
 def _connect(ray, spec: ExecutorSpec) -> bool:
     """Connect to the cluster (an address; none: a running one, else a new local one).
     True when this call started Ray here, so the driver shuts it down at the end."""
@@ -193,13 +212,20 @@ def _drive(ray, ctx, job, session: Session, labels: WorkerLabels, blocks) -> tup
     if not blocks:
         return "done", None
     spec = job.executor
-    # The driver's own progress lines and display count the run; Ray Data's bars would
-    # interleave with them.
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    # Ray Data's classes: imported once Ray is known to be there (import_ray).
+    from batchgen.executors.block_source import BlockSource
+
     options = _actor_options(spec)
     threads = int(options["num_cpus"]) or None
-    dataset = ray.data.from_items(
-        [{"block": block.to_json()} for block in blocks], override_num_blocks=len(blocks)
+    # Reads take no CPU of their own: the workers may hold every CPU of the cluster, and
+    # a read that waited for one would never run. Their number in flight is bounded.
+    dataset = ray.data.read_datasource(
+        BlockSource(ctx.input, blocks),
+        num_cpus=0,
+        concurrency=2 * spec.num_workers,
+        # As many output blocks as read tasks: fewer would have Ray Data split each
+        # task's output to reach its default parallelism.
+        override_num_blocks=len(blocks),
     ).map_batches(
         BlockWorker,
         fn_constructor_kwargs={
@@ -208,16 +234,18 @@ def _drive(ray, ctx, job, session: Session, labels: WorkerLabels, blocks) -> tup
             "session": session.id,
             "schema": schema_for_run(session.run_dir, ctx.schema),
             "labels": labels,
+            "blocks": blocks,
             "threads": threads,
         },
-        batch_size=1,
-        compute=ray.data.ActorPoolStrategy(size=spec.num_workers),
+        batch_size=None,  # one read task's block per call
+        batch_format="pyarrow",
+        concurrency=spec.num_workers,
         **options,
     )
     budget = job.errors.budget * ctx.total_rows * job.sampling.n
     stats, stop = session.stats, StopFlag()
     committed: set[int] = set()
-    with stop.installed(graceful=True):
+    with stop.installed(graceful=True), _data_context(ray):
         try:
             for row in dataset.iter_rows():
                 staged = json.loads(row["staged"])
@@ -235,10 +263,24 @@ def _drive(ray, ctx, job, session: Session, labels: WorkerLabels, blocks) -> tup
         except KeyboardInterrupt:
             return "interrupted", None
         except ray.exceptions.RayError as exc:
-            message = " ".join(str(exc).split())[:500]
+            message = _root_cause(exc)
             log.error("the Ray job failed: %s", message)
             return "engine_failed", f"the Ray job failed: {message}"
     return "done", None
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The exception a Ray error wraps, as one line: a worker's own error (a bad block,
+    an engine that cannot load) is what a person needs, not Ray's traceback around it."""
+    seen = {id(exc)}
+    while True:
+        inner = getattr(exc, "cause", None) or exc.__cause__
+        if not isinstance(inner, BaseException) or id(inner) in seen:
+            break
+        seen.add(id(inner))
+        exc = inner
+    text = str(exc).strip().splitlines()
+    return " ".join(f"{type(exc).__name__}: {text[-1] if text else ''}".split())[:500]
 
 
 def _commit(session: Session, staged: dict, committed: set[int], blocks) -> str:

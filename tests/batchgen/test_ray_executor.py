@@ -171,3 +171,16 @@ def test_driver_killed_then_rerun_completes_exactly_once(ray_cluster, tiny_model
     for note in (run_path / "quarantine").glob("*/reasons.jsonl"):
         for line in note.read_text().splitlines():
             assert "no driver recorded" in json.loads(line)["reason"]
+
+
+def test_a_failed_ray_job_is_told_by_the_worker_error_it_wraps():
+    from batchgen.executors.ray_executor import _root_cause
+
+    try:
+        try:
+            raise ValueError("block 2 (part-00003.parquet) arrived with 1 of its 5 rows")
+        except ValueError as inner:
+            raise ray.exceptions.RayError("UDF failed to process a data block.") from inner
+    except ray.exceptions.RayError as exc:
+        message = _root_cause(exc)
+    assert message == "ValueError: block 2 (part-00003.parquet) arrived with 1 of its 5 rows"
