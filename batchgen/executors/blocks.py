@@ -24,6 +24,7 @@ import pyarrow.parquet as pq
 
 from batchgen.reader import ParquetInput
 from batchgen.rows import InputRow
+from batchgen.store_path import StorePath, parquet_file
 
 # The input position of each row of a block on its way to a worker, and the block's index.
 SEQ_COLUMN = "__batchgen_seq"
@@ -113,9 +114,9 @@ def plan_blocks(
             file_row += size
 
 
-def read_row_range(path: Path, start: int, stop: int, columns: list[str]) -> pa.Table:
+def read_row_range(path: Path | StorePath, start: int, stop: int, columns: list[str]) -> pa.Table:
     """Rows [start, stop) of a Parquet file, reading only the row groups that hold them."""
-    pf = pq.ParquetFile(path)
+    pf = parquet_file(path)
     pieces = []
     first = 0
     for group in range(pf.num_row_groups):

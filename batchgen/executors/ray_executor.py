@@ -45,9 +45,10 @@ from batchgen.run import (
     conclude_session,
     open_session,
 )
-from batchgen.run_dir import ManifestEntry, new_session_id
+from batchgen.run_dir import ManifestEntry, RunDir, new_session_id
 from batchgen.run_lock import RunLock
 from batchgen.stop_flag import SIGNALS, StopFlag
+from batchgen.store_path import is_uri, run_path
 
 log = logging.getLogger(__name__)
 
@@ -77,6 +78,8 @@ def run_job_on_ray(
 ) -> RunOutcome:
     """`run_job` for `executor: ray` (same exit codes and errors)."""
     ray = import_ray()
+    if is_uri(job.output.path):
+        check_object_storage_job(job, new_run)
     ctx = open_job(job)
     stop = StopFlag()
     with RunLock(job.output.path), stop.installed(graceful=False):
@@ -85,9 +88,25 @@ def run_job_on_ray(
         except KeyboardInterrupt:
             return RunOutcome(
                 EXIT_INTERRUPTED,
-                Path(job.output.path),
+                run_path(job.output.path),
                 f"interrupted; committed rows are kept; resume with `batchgen run {job_path}`",
             )
+
+
+def check_object_storage_job(job: JobSpec, new_run: bool) -> None:
+    """Refuse (JobError) what a run directory on object storage cannot hold: the pieces
+    that live in local files by nature (batchgen.store_path says what holds there)."""
+    where = f"output.path {job.output.path} is on object storage"
+    if job.output.export is not None:
+        raise JobError(
+            f"output.export is not supported when {where}; export afterwards with "
+            "`batchgen export` from a local copy of the run"
+        )
+    if new_run and RunDir(job.output.path).exists():
+        raise JobError(
+            f"--new-run is not supported when {where} and a run is there: moving it aside "
+            "would copy every object; point output.path at a new prefix instead"
+        )
 
 
 def _run_locked(ray, ctx, job, job_path, new_run, retry_errors, progress) -> RunOutcome:
@@ -147,7 +166,7 @@ def _worker_labels(job: JobSpec, ctx: JobContext, session: Session) -> WorkerLab
             labels.assign(row)
         return WorkerLabels("column", column=labels.column, ids=dict(labels.ids))
     if mode == "auto":
-        return WorkerLabels("auto", assignments=str(session.labels.path))
+        return WorkerLabels("auto", assignments=session.labels.path)
     return WorkerLabels("off")
 
 
@@ -230,7 +249,7 @@ def _drive(ray, ctx, job, session: Session, labels: WorkerLabels, blocks) -> tup
         BlockWorker,
         fn_constructor_kwargs={
             "job": job,
-            "run_path": str(session.run_dir.path.resolve()),
+            "run_path": session.run_dir.path.resolve(),
             "session": session.id,
             "schema": schema_for_run(session.run_dir, ctx.schema),
             "labels": labels,

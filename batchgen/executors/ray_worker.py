@@ -13,6 +13,7 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
@@ -33,6 +34,7 @@ from batchgen.run import (
 )
 from batchgen.run_dir import RunDir
 from batchgen.stats import RunStats
+from batchgen.store_path import StorePath
 from batchgen.writer import results_table, write_part
 
 
@@ -46,7 +48,7 @@ class WorkerLabels:
     mode: str  # "off" | "column" | "auto"
     column: str | None = None
     ids: dict[str, int] | None = None
-    assignments: str | None = None
+    assignments: Path | StorePath | None = None
 
     def for_block(self, block: InputBlock):
         if self.mode == "column":
@@ -119,7 +121,7 @@ class BlockWorker:
     def __init__(
         self,
         job: JobSpec,
-        run_path: str,
+        run_path: Path | StorePath,
         session: str,
         schema: pa.Schema,
         labels: WorkerLabels,

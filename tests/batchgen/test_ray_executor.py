@@ -184,3 +184,40 @@ def test_a_failed_ray_job_is_told_by_the_worker_error_it_wraps():
     except ray.exceptions.RayError as exc:
         message = _root_cause(exc)
     assert message == "ValueError: block 2 (part-00003.parquet) arrived with 1 of its 5 rows"
+
+
+def test_object_storage_run_dir_commits_and_resumes_exactly_once(
+    ray_cluster, tiny_model_dir, tmp_path
+):
+    # A file:// URI takes the object-storage path (batchgen.store_path over pyarrow.fs),
+    # the one s3:// and gs:// take, on a filesystem this machine has.
+    batching = {"cluster": "auto", "num_clusters": 3}
+    local, on_ray = _jobs(tiny_model_dir, tmp_path, batching=batching)
+    run_path = tmp_path / "ray" / "run"
+    on_ray.write_text(on_ray.read_text().replace(str(run_path), f"file://{run_path}"))
+    assert load_job(on_ray).output.path == f"file://{run_path}"
+    assert _run_in_process(local).exit_code == 0
+    outcome = _run_in_process(on_ray)
+    assert outcome.exit_code == 0, outcome.message
+    _assert_exactly_once_and_equal(run_path, tmp_path / "local" / "run")
+    assert not (tmp_path / "ray" / ".run.lock").exists()  # the store's path: no flock file
+    # Clusters were built in scratch space and published without the embedding cache.
+    assert sorted(p.name for p in (run_path / "clusters").iterdir()) == [
+        "assignments.parquet",
+        "clusters.json",
+    ]
+
+    # The driver stopped after moving the last part into results/ but before its line
+    # (that part is adopted), and the part before it was lost with its line (its rows
+    # run again).
+    lines = (run_path / "_manifest.jsonl").read_text().splitlines(keepends=True)
+    lost, unrecorded = json.loads(lines[-2])["part"], json.loads(lines[-1])["part"]
+    (run_path / "_manifest.jsonl").write_text("".join(lines[:-2]))
+    (run_path / "results" / lost).unlink()
+    (run_path / "_SUCCESS").unlink()
+    outcome = _run_in_process(on_ray)
+    assert outcome.exit_code == 0, outcome.message
+    _assert_exactly_once_and_equal(run_path, tmp_path / "local" / "run")
+    after = manifest(run_path)
+    assert unrecorded in {e["part"] for e in after}
+    assert len({e["session"] for e in after}) == 2  # the lost rows ran in a new session
