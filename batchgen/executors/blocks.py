@@ -13,8 +13,6 @@ Each block gets the name of its part in results/ when it is planned, in input or
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -42,14 +40,6 @@ class InputBlock:
     first_seq: int  # the input position of its first row
     file_row: int  # the position of its first row in its file
     skip_ids: tuple[str, ...] = ()  # committed by an earlier session
-
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
-
-    @classmethod
-    def from_json(cls, text: str) -> InputBlock:
-        data = json.loads(text)
-        return cls(**{**data, "skip_ids": tuple(data["skip_ids"])})
 
     @property
     def rows_to_run(self) -> int:

@@ -1,5 +1,6 @@
 """`executor: {type: ray}`: a job's rows run on a Ray cluster, one engine per worker
-actor, into the run directory the local executor uses (a path every node sees).
+actor, into the run directory the local executor uses: a path every node sees, or object
+storage (batchgen.store_path).
 
 The driver (the process that ran `batchgen run`) does what the local executor does
 before and after generation: the run lock, the run directory check, --retry-errors,
@@ -9,8 +10,8 @@ runs a Ray Data pipeline over them: a datasource with one read task per block
 (batchgen.executors.block_source), into an actor pool (`map_batches` over a callable
 class, `concurrency` = num_workers); each actor builds the engine once and runs block
 after block through the local executor's RunLoop, writing each block's part under its own
-staging directory. The driver commits each part as it
-comes back: the only writer of _manifest.jsonl (batchgen.executors.staging).
+staging directory. The driver commits each part as it comes back: the only writer of
+_manifest.jsonl (batchgen.executors.staging).
 
 Faults: an actor that dies (killed, out of memory, node lost) is restarted by Ray and
 its block runs again (Ray Data retries the task); the copy of a block the driver sees

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.executors.blocks import BLOCK_COLUMN, InputBlock, plan_blocks, read_row_range
+from batchgen.executors.blocks import BLOCK_COLUMN, plan_blocks, read_row_range
 from batchgen.job_spec import InputSpec
 from batchgen.reader import ParquetInput
 
@@ -65,11 +65,6 @@ def test_resumed_blocks_skip_committed_rows_and_empty_blocks(tmp_path):
     assert [r.id for r in got] == [r.id for r in rows if r.id not in done]
     # what a block skips is only ever committed ids
     assert all(set(b.skip_ids) <= done for b in blocks)
-
-
-def test_block_json_round_trip():
-    block = InputBlock(3, "part-00009.parquet", 1, 2, 5, 4, 77, 19, ("a", "b"))
-    assert InputBlock.from_json(block.to_json()) == block
 
 
 @pytest.mark.parametrize("start, stop", [(0, 5), (3, 17), (9, 10), (20, 30), (29, 30)])
