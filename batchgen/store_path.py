@@ -41,8 +41,9 @@ from batchgen.job_spec import JobError
 _URI = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
-def is_uri(path: str | Path) -> bool:
-    return isinstance(path, str) and bool(_URI.match(path))
+def is_uri(path: str | Path | StorePath) -> bool:
+    """Whether `path` names object storage (a URI, or a StorePath made from one)."""
+    return isinstance(path, StorePath) or (isinstance(path, str) and bool(_URI.match(path)))
 
 
 def run_path(path: str | Path) -> Path | StorePath:

@@ -15,7 +15,9 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
+from batchgen.cli.report import report_cmd
 from batchgen.job_spec import load_job
 from batchgen.run import run_job
 from tests.batchgen.run_process import int_id_rows, job_file, manifest, results, start
@@ -221,3 +223,5 @@ def test_object_storage_run_dir_commits_and_resumes_exactly_once(
     after = manifest(run_path)
     assert unrecorded in {e["part"] for e in after}
     assert len({e["session"] for e in after}) == 2  # the lost rows ran in a new session
+    verified = CliRunner().invoke(report_cmd, [f"file://{run_path}", "--verify"])
+    assert verified.exit_code == 0, verified.output
