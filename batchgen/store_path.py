@@ -13,10 +13,11 @@ is durable once the request that wrote it returned (S3 and GCS acknowledge a PUT
 after storing it redundantly), and a whole object appears at once, never half written.
 So a write goes to a hidden tmp name, is closed (uploaded), then moved to its name, as on
 a filesystem; the move is a copy and a delete there, so a reader may see both names for
-a moment, never a partial part. An append rewrites the object whole: fine for the files
-that one process appends to (the driver's manifest, fault logs, quarantine notes), not
-for many writers. There is no lock (batchgen.run_lock): one driver per run directory is
-the user's to ensure.
+a moment, never a partial part. An append rewrites the object whole: right for the files
+one process appends to (the driver's manifest and quarantine notes); engine_faults.jsonl,
+which every worker appends to, may lose an event when two append at the same moment (a
+diagnostic record: no result depends on it). There is no lock (batchgen.run_lock): one
+driver per run directory is the user's to ensure.
 
 `read_table`, `read_schema`, `read_metadata` and `parquet_file` are pyarrow.parquet's,
 for a Path or a StorePath alike.
