@@ -259,7 +259,9 @@ def _drive(ray, ctx, job, session: Session, labels: WorkerLabels, blocks) -> tup
         },
         batch_size=None,  # one read task's block per call
         batch_format="pyarrow",
-        concurrency=spec.num_workers,
+        # A fixed pool of num_workers actors (Ray Data's `concurrency=N`, which it now
+        # asks to be given as this).
+        compute=ray.data.ActorPoolStrategy(size=spec.num_workers),
         **options,
     )
     budget = job.errors.budget * ctx.total_rows * job.sampling.n
