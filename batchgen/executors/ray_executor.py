@@ -82,6 +82,11 @@ def run_job_on_ray(
     if is_uri(job.output.path):
         check_object_storage_job(job, new_run)
     ctx = open_job(job)
+    if ctx.format != "parquet":
+        raise JobError(
+            f"input.format: {ctx.format} request files run on the local executor only; the "
+            "Ray executor reads Parquet input by row groups"
+        )
     stop = StopFlag()
     with RunLock(job.output.path), stop.installed(graceful=False):
         try:

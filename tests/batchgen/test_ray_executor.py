@@ -18,8 +18,9 @@ import pytest
 from click.testing import CliRunner
 
 from batchgen.cli.report import report_cmd
-from batchgen.job_spec import load_job
+from batchgen.job_spec import JobError, load_job, parse_job
 from batchgen.run import run_job
+from tests.batchgen.batch_files import batch_job, openai_chat, write_jsonl
 from tests.batchgen.run_process import int_id_rows, job_file, manifest, results, start
 
 ray = pytest.importorskip("ray")
@@ -225,3 +226,13 @@ def test_object_storage_run_dir_commits_and_resumes_exactly_once(
     assert len({e["session"] for e in after}) == 2  # the lost rows ran in a new session
     verified = CliRunner().invoke(report_cmd, [f"file://{run_path}", "--verify"])
     assert verified.exit_code == 0, verified.output
+
+
+def test_a_request_file_is_refused_on_ray_with_nothing_written(tiny_model_dir, tmp_path):
+    from batchgen.executors.ray_executor import run_job_on_ray
+
+    data = write_jsonl(tmp_path / "in.jsonl", [openai_chat(f"r{i}", "Hello") for i in range(3)])
+    job = parse_job({**batch_job(tmp_path, data, str(tiny_model_dir)), "executor": {"type": "ray"}})
+    with pytest.raises(JobError, match="input.format: openai_batch request files run on the local"):
+        run_job_on_ray(job, "job.yaml")
+    assert not (tmp_path / "run").exists()
