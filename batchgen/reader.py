@@ -234,6 +234,11 @@ class ParquetInput:
         for seq, row_id, vals in zip(seqs, ids, values):
             yield InputRow(seq=seq, id=row_id, values=vals)
 
+    def column_values(self, name: str) -> Iterator:
+        """The values of one column the job reads, in input order, reading only it."""
+        for batch in self._batches([name]):
+            yield from batch.column(name).to_pylist()
+
     def ids(self) -> Iterator[str | None]:
         """Only the ids, reading as few columns as possible."""
         cols = self.columns if self.id_source == CONTENT_HASH else [self.id_source]

@@ -166,10 +166,12 @@ def _run_session(
 def _worker_labels(job: JobSpec, ctx: JobContext, session: Session) -> WorkerLabels:
     mode = cluster_mode(job.batching)
     if mode == "column":
-        # Ids in input order over the whole input, as the local executor gives them.
+        # Ids in input order over the whole input, as the local executor gives them (a
+        # row's label is one of its values: none when the column is the id column).
         labels: ClusterLabels = session.labels
-        for row in ctx.input.rows():
-            labels.assign(row)
+        if labels.column in ctx.input.value_columns():
+            for value in ctx.input.column_values(labels.column):
+                labels.id_for(value)
         return WorkerLabels("column", column=labels.column, ids=dict(labels.ids))
     if mode == "auto":
         return WorkerLabels("auto", assignments=session.labels.path)

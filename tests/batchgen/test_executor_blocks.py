@@ -109,3 +109,9 @@ def test_block_source_gives_one_read_task_per_block(tmp_path):
         got += block.rows(source, table.drop([BLOCK_COLUMN]))
     want = [r for r in rows if r.id not in done]
     assert [(r.seq, r.id, r.values) for r in got] == [(r.seq, r.id, r.values) for r in want]
+
+
+def test_one_column_read_alone_matches_the_rows(tmp_path):
+    # The driver gives cluster-label ids from this column without reading the others.
+    source = _input(tmp_path, [5, 23, 1], 7)
+    assert list(source.column_values("k")) == [r.values["k"] for r in source.rows()]
