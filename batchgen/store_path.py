@@ -56,16 +56,22 @@ def run_path(path: str | Path) -> Path | StorePath:
 
 class _Upload(io.BytesIO):
     """A file opened for writing on the store: its bytes are uploaded when it is closed
-    (`append`: after the object's current bytes)."""
+    (`append`: after the object's current bytes). A `with` block that raises uploads
+    nothing, so an object is written whole or not at all."""
 
     def __init__(self, target: StorePath, append: bool) -> None:
         super().__init__()
         self.target = target
+        self.aborted = False
         if append and target.exists():
             self.write(target.read_bytes())
 
+    def __exit__(self, kind, *rest):
+        self.aborted = self.aborted or kind is not None
+        return super().__exit__(kind, *rest)
+
     def close(self) -> None:
-        if not self.closed:
+        if not self.closed and not self.aborted:
             data = self.getvalue()
             with self.target.fs.open_output_stream(self.target.key) as out:
                 out.write(data)
@@ -73,7 +79,9 @@ class _Upload(io.BytesIO):
 
 
 class _TextUpload(io.TextIOWrapper):
-    pass
+    def __exit__(self, kind, *rest):
+        self.buffer.aborted = self.buffer.aborted or kind is not None
+        return super().__exit__(kind, *rest)
 
 
 # What StorePath.open returns: none has an OS file descriptor to fsync.

@@ -147,3 +147,18 @@ def test_the_local_executor_refuses_object_storage_with_exit_2(tmp_path):
     assert "the local executor does not write to" in result.output
     assert "executor: {type: ray}" in result.output
     assert not (tmp_path / "run").exists()
+
+
+def test_a_write_that_fails_leaves_no_object(store_run):
+    target = store_run.path / "notes.txt"
+    for mode, data in (("w", "half"), ("wb", b"half")):
+        with pytest.raises(RuntimeError), target.open(mode) as f:
+            f.write(data)
+            raise RuntimeError("the writer failed mid-way")
+        assert not target.exists()
+    with target.open("a") as f:
+        f.write("one\n")
+    with pytest.raises(RuntimeError), target.open("a") as f:
+        f.write("two\n")
+        raise RuntimeError("the writer failed mid-way")
+    assert target.read_text() == "one\n"
