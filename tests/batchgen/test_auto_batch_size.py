@@ -35,9 +35,7 @@ def test_a_job_without_max_num_seqs_reports_the_engines_choice(tmp_path, make_jo
 
 
 def test_a_job_that_sets_max_num_seqs_gets_it(tmp_path, make_job, tiny_model_dir):
-    _, job_path = make_job(
-        model=str(tiny_model_dir), batching={"cluster": "off", "max_num_seqs": 3}
-    )
+    _, job_path = make_job(model=str(tiny_model_dir), batching={"cluster": "off", "max_num_seqs": 3})
     outcome = run_job(load_job(job_path), job_path)
     assert outcome.exit_code == 0
     assert json.loads((outcome.run_dir / "report.json").read_text())["batch_size"] is None
