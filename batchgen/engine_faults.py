@@ -14,18 +14,20 @@ import json
 import time
 from pathlib import Path
 
+from batchgen.store_path import StorePath, run_path
+
 FILE_NAME = "engine_faults.jsonl"
 
 
 class EngineFaultLog:
-    def __init__(self, run_path: Path, session: str | None = None) -> None:
-        self.path = Path(run_path) / FILE_NAME
+    def __init__(self, run: str | Path | StorePath, session: str | None = None) -> None:
+        self.path = run_path(run) / FILE_NAME
         self.session = session
 
     def append(self, event: str, **fields) -> None:
         record = {"event": event, "time": time.time(), "session": self.session, **fields}
         # Not fsynced: it is a diagnostic record; the results never depend on it.
-        with open(self.path, "a") as f:
+        with self.path.open("a") as f:
             f.write(json.dumps(record, default=str) + "\n")
 
     def events(self) -> list[dict]:

@@ -14,9 +14,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.parquet as pq
 
 from batchgen.run_dir import ManifestEntry
+from batchgen.store_path import read_metadata, read_table
 
 METADATA_KEY = b"batchgen.part"
 _CHUNK = 1 << 20
@@ -24,7 +24,7 @@ _CHUNK = 1 << 20
 
 def file_checksum(path: Path) -> str:
     digest = hashlib.sha256()
-    with open(path, "rb") as f:
+    with path.open("rb") as f:
         while chunk := f.read(_CHUNK):
             digest.update(chunk)
     return f"sha256:{digest.hexdigest()}"
@@ -53,7 +53,7 @@ def read_whole(path: Path) -> pa.Table:
     """Read every column of every row group: a part that reads here can be read by
     `polars.read_parquet` too. Raises PartDamaged with the reader's reason."""
     try:
-        return pq.read_table(path)
+        return read_table(path)
     except FileNotFoundError:
         raise PartDamaged("missing") from None
     except (OSError, pa.ArrowException, ValueError) as exc:
@@ -97,7 +97,7 @@ def read_meta(path: Path) -> PartMeta | None:
     """The part's own `batchgen.part` metadata, or None when it has none (a part written
     before parts carried it). Raises PartDamaged when the footer cannot be read."""
     try:
-        kv = pq.read_metadata(path).metadata or {}
+        kv = read_metadata(path).metadata or {}
     except (OSError, pa.ArrowException, ValueError) as exc:
         raise PartDamaged(f"unreadable ({_first_line(exc)})") from None
     raw = kv.get(METADATA_KEY)

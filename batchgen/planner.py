@@ -30,7 +30,6 @@ from __future__ import annotations
 
 import json
 import logging
-import os
 import pickle
 import shutil
 from collections import Counter
@@ -80,7 +79,7 @@ class ClusterLabels:
             return
         tmp = self.path.with_suffix(".tmp")
         tmp.write_text(json.dumps({"column": self.column, "labels": self.ids}))
-        os.replace(tmp, self.path)
+        tmp.replace(self.path)
 
 
 def cluster_mode(spec: BatchingSpec) -> str:

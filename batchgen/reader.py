@@ -7,7 +7,7 @@ from __future__ import annotations
 import glob
 import hashlib
 import json
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import numpy as np
@@ -201,25 +201,29 @@ class ParquetInput:
         """Every input row in file order, one record batch in memory at a time."""
         seq = 0
         for f, first, batch in self._located_batches(self.read_columns):
-            yield from self._batch_rows(f, first, batch, seq)
+            yield from self._batch_rows(f, first, batch, range(seq, seq + batch.num_rows))
             seq += batch.num_rows
 
-    def slice_rows(
-        self, file: int, row_group: int, offset: int, count: int, first_seq: int
+    def read_slice(self, file: int, row_group: int, offset: int, count: int) -> pa.Table:
+        """`count` rows of one row group of `self.files[file]` from `offset` on, the
+        columns the job reads: one block of a distributed run, read alone."""
+        pf = pq.ParquetFile(self.files[file])
+        return pf.read_row_group(row_group, columns=self.read_columns).slice(offset, count)
+
+    def table_rows(
+        self, file: int, first: int, table: pa.Table, seqs: list[int]
     ) -> Iterator[InputRow]:
-        """`count` rows of one row group of `self.files[file]` from `offset` on, whose
-        first is input row `first_seq`: one block of a distributed run, read alone."""
-        f = self.files[file]
-        pf = pq.ParquetFile(f)
-        start = sum(pf.metadata.row_group(i).num_rows for i in range(row_group)) + offset
-        table = pf.read_row_group(row_group, columns=self.read_columns).slice(offset, count)
+        """The rows of `table` (columns as `read_slice` gives them, some rows maybe left
+        out) whose input positions are `seqs`; `first` is the file row of the first, for
+        error messages."""
+        done = 0
         for batch in table.to_batches(max_chunksize=self.spec.batch_rows):
-            yield from self._batch_rows(f, start, batch, first_seq)
-            start += batch.num_rows
-            first_seq += batch.num_rows
+            rows = seqs[done : done + batch.num_rows]
+            yield from self._batch_rows(self.files[file], first + done, batch, rows)
+            done += batch.num_rows
 
     def _batch_rows(
-        self, f: Path, first: int, batch: pa.RecordBatch, seq: int
+        self, f: Path, first: int, batch: pa.RecordBatch, seqs: Iterable[int]
     ) -> Iterator[InputRow]:
         try:
             ids = _row_ids(batch, self.id_source, self.columns)
@@ -227,15 +231,25 @@ class ParquetInput:
         except UnicodeDecodeError:  # check_text finds these first, when it ran
             self._refuse_invalid_text(f, first, batch)
             raise
-        for row_id, vals in zip(ids, values):
+        for seq, row_id, vals in zip(seqs, ids, values):
             yield InputRow(seq=seq, id=row_id, values=vals)
-            seq += 1
+
+    def column_values(self, name: str) -> Iterator:
+        """The values of one column the job reads, in input order, reading only it."""
+        for batch in self._batches([name]):
+            yield from batch.column(name).to_pylist()
 
     def ids(self) -> Iterator[str | None]:
         """Only the ids, reading as few columns as possible."""
         cols = self.columns if self.id_source == CONTENT_HASH else [self.id_source]
         for batch in self._batches(cols):
             yield from _row_ids(batch, self.id_source, self.columns)
+
+    def table_ids(self, table: pa.Table) -> list[str | None]:
+        """The ids of the rows of `table` (columns as `read_slice` gives them)."""
+        return [
+            i for batch in table.to_batches() for i in _row_ids(batch, self.id_source, self.columns)
+        ]
 
     def row_group_ids(self, file: int, row_group: int) -> list[str | None]:
         """The ids of one row group of `self.files[file]`, in order."""

@@ -10,11 +10,10 @@ import time
 from collections import Counter, defaultdict
 from pathlib import Path
 
-import pyarrow.parquet as pq
-
 from batchgen.engine_faults import EngineFaultLog, summarize
 from batchgen.job_spec import JobSpec
 from batchgen.run_dir import RunDir, write_atomic
+from batchgen.store_path import parquet_file
 
 EXIT_MEANINGS = {
     0: "finished, every row ok",
@@ -82,7 +81,7 @@ def collect(run_dir: RunDir) -> dict:
     ids: set[str] = set()
     tokens = Counter()
     for entry in run_dir.live_parts():
-        pf = pq.ParquetFile(run_dir.results / entry.part)
+        pf = parquet_file(run_dir.results / entry.part)
         # parts written before the cached_prompt_tokens column read as 0 cached
         columns = [c for c in _SCAN_COLUMNS if c in pf.schema_arrow.names]
         for batch in pf.iter_batches(columns=columns, batch_size=8192):
@@ -432,7 +431,8 @@ def render_png(report: dict, path: Path) -> None:
     ax2.set_title("rows per cluster")
     ax2.legend()
     fig.tight_layout()
-    fig.savefig(path, dpi=80)
+    with path.open("wb") as f:
+        fig.savefig(f, dpi=80, format="png")
     plt.close(fig)
 
 

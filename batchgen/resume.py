@@ -12,10 +12,10 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from batchgen.job_spec import JobError, JobSpec
 from batchgen.run_dir import RunDir, write_atomic
+from batchgen.store_path import read_schema, read_table
 from batchgen.writer import commit_part
 
 log = logging.getLogger(__name__)
@@ -75,7 +75,7 @@ def open_run_dir(
     archived = None
     if run_dir.exists() and new_run:
         archived = f"{run_dir.path}.{time.strftime('%Y%m%d-%H%M%S')}"
-        os.replace(run_dir.path, archived)
+        os.replace(run_dir.path, archived)  # a Path: a store refuses --new-run
         log.info("--new-run: moved the previous run to %s", archived)
     run_dir.create()
     if not run_dir.job_file.exists():
@@ -100,7 +100,7 @@ def committed_ids(run_dir: RunDir) -> tuple[set[str], int, int]:
     ids: set[str] = set()
     ok = error = 0
     for entry in run_dir.live_parts():
-        table = pq.read_table(run_dir.results / entry.part, columns=["id"])
+        table = read_table(run_dir.results / entry.part, columns=["id"])
         ids.update(str(v) for v in table.column("id").to_pylist())
         ok += entry.ok
         error += entry.error
@@ -113,7 +113,7 @@ def schema_for_run(run_dir: RunDir, schema: pa.Schema) -> pa.Schema:
     live = run_dir.live_parts()
     if not live:
         return schema
-    committed = pq.read_schema(run_dir.results / live[0].part).field("id").type
+    committed = read_schema(run_dir.results / live[0].part).field("id").type
     if committed == schema.field("id").type:
         return schema
     log.info("ids are written as %s, as in the parts this run already committed", committed)
@@ -131,7 +131,7 @@ def take_back_errors(run_dir: RunDir, fingerprint: str, session: str) -> int:
         if entry.error == 0:
             continue
         path = run_dir.results / entry.part
-        table = pq.read_table(path)
+        table = read_table(path)
         bad_ids = pc.filter(table.column("id"), pc.not_equal(table.column("status"), "ok"))
         bad = set(bad_ids.to_pylist())
         # All n completions of a row go back together, so the row is redone whole.

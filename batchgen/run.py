@@ -44,6 +44,7 @@ from batchgen.run_dir_check import reconcile
 from batchgen.run_lock import RunLock
 from batchgen.stats import RunStats
 from batchgen.stop_flag import StopFlag
+from batchgen.store_path import is_uri
 from batchgen.writer import PartWriter
 
 log = logging.getLogger(__name__)
@@ -372,6 +373,12 @@ def run_job(
     run (another run holding its output directory included), PartWriteError when the OS
     refuses to write a part (resumable); otherwise returns the exit code and a one-line
     summary."""
+    if is_uri(job.output.path):
+        raise JobError(
+            f"output.path: {job.output.path} is on object storage, which the local executor "
+            "does not write to; run the job with `executor: {type: ray}` (or --executor "
+            "ray), or give output.path as a filesystem path"
+        )
     ctx = open_job(job)
     stop = StopFlag()  # reads BATCHGEN_STOP_GRACE_S: a bad value is refused before any work
     # The lock is taken before the run directory is looked at and held to the end.

@@ -26,16 +26,29 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from batchgen.store_path import StoreFiles, StorePath, run_path
+
 PART_NAME = re.compile(r"part-(\d+)\.parquet$")
 
 
-def fsync_dir(path: Path) -> None:
-    # The rename of a file is durable only once its directory entry is.
+def fsync_dir(path: Path | StorePath) -> None:
+    # The rename of a file is durable only once its directory entry is. An object store
+    # has no directory entries: an object is durable once written (batchgen.store_path).
+    if isinstance(path, StorePath):
+        return
     fd = os.open(path, os.O_RDONLY)
     try:
         os.fsync(fd)
     finally:
         os.close(fd)
+
+
+def fsync_file(f) -> None:
+    """Flush `f` to stable storage (a file opened on a StorePath is uploaded, and so
+    durable, when it is closed)."""
+    f.flush()
+    if not isinstance(f, StoreFiles):
+        os.fsync(f.fileno())
 
 
 def tmp_name(path: Path) -> Path:
@@ -50,12 +63,11 @@ def write_atomic(path: Path, data: bytes | str, durable: bool = True) -> None:
     tmp = tmp_name(path)
     mode = "wb" if isinstance(data, bytes) else "w"
     try:
-        with open(tmp, mode) as f:
+        with tmp.open(mode) as f:
             f.write(data)
             if durable:
-                f.flush()
-                os.fsync(f.fileno())
-        os.replace(tmp, path)
+                fsync_file(f)
+        tmp.replace(path)
     except BaseException:
         with contextlib.suppress(OSError):
             tmp.unlink()
@@ -118,8 +130,8 @@ def part_number(name: str) -> int | None:
 
 
 class RunDir:
-    def __init__(self, path: str | Path):
-        self.path = Path(path)
+    def __init__(self, path: str | Path | StorePath):
+        self.path = run_path(path)
         self.results = self.path / "results"
         self.errors = self.path / "errors"
         self.quarantine_dir = self.path / "quarantine"
@@ -181,15 +193,15 @@ class RunDir:
     def append_manifest(self, entry: ManifestEntry) -> None:
         line = entry.to_json() + "\n"
         # Repair a torn last line first so the new line starts on its own.
-        if self.manifest.exists() and self.manifest.stat().st_size:
-            with open(self.manifest, "rb") as f:
-                f.seek(-1, os.SEEK_END)
+        size = self.manifest.stat().st_size if self.manifest.exists() else 0
+        if size:
+            with self.manifest.open("rb") as f:
+                f.seek(size - 1)
                 if f.read(1) != b"\n":
                     line = "\n" + line
-        with open(self.manifest, "a") as f:
+        with self.manifest.open("a") as f:
             f.write(line)
-            f.flush()
-            os.fsync(f.fileno())
+            fsync_file(f)
         fsync_dir(self.path)
 
     def rewrite_manifest(self, entries: list[ManifestEntry]) -> None:
@@ -226,10 +238,12 @@ class RunDir:
         while target.exists():
             target = target.with_name(f"{stem}.{suffix}")
             suffix += 1
-        if copy:
+        if copy and isinstance(path, StorePath):
+            path.copy_to(target)
+        elif copy:
             shutil.copy2(path, target)
         else:
-            os.replace(path, target)
+            path.replace(target)
             fsync_dir(path.parent)
         self.note_quarantine(path, reason, session, moved_to=target)
         return target
@@ -247,10 +261,9 @@ class RunDir:
             "reason": reason,
             "time": time.time(),
         }
-        with open(target_dir / "reasons.jsonl", "a") as f:
+        with (target_dir / "reasons.jsonl").open("a") as f:
             f.write(json.dumps(note) + "\n")
-            f.flush()
-            os.fsync(f.fileno())
+            fsync_file(f)
 
     def _quarantine_notes(self) -> list[Path]:
         if not self.quarantine_dir.is_dir():

@@ -25,10 +25,10 @@ from pathlib import Path
 
 import pyarrow as pa
 import pyarrow.compute as pc
-import pyarrow.parquet as pq
 
 from batchgen.part_check import PartDamaged, check_committed, file_checksum, read_meta, read_whole
 from batchgen.run_dir import Manifest, ManifestEntry, RunDir, live_entries, part_number
+from batchgen.store_path import read_table
 from batchgen.writer import entry_for, write_error_mirror
 
 log = logging.getLogger(__name__)
@@ -132,7 +132,7 @@ def _files(directory: Path) -> list[Path]:
 def _ids(path: Path) -> list[str]:
     """The distinct ids of a part, as text, as the reader yields them (int 7 is "7")."""
     try:
-        column = pq.read_table(path, columns=["id"]).column("id")
+        column = read_table(path, columns=["id"]).column("id")
     except (OSError, pa.ArrowException, ValueError, KeyError) as exc:
         raise PartDamaged(f"its id column cannot be read ({exc})") from None
     return [str(v) for v in pc.unique(column).to_pylist()]

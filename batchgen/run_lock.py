@@ -6,18 +6,26 @@ leaving the fresh directory unlocked for a moment. Beside it, one path guards th
 whatever is renamed under it. The OS drops a flock when its process dies, so a `kill -9`
 never leaves a stale lock; the file itself stays (removing a lock file while another
 process may be opening it would let two processes hold "the" lock).
+
+A run directory on object storage (output.path a URI) has no lock: object stores offer
+no exclusive lock that dies with its holder. One driver per run directory is then the
+user's to ensure, and the run says so when it starts.
 """
 
 from __future__ import annotations
 
 import fcntl
 import json
+import logging
 import os
 import socket
 import time
 from pathlib import Path
 
 from batchgen.job_spec import JobError
+from batchgen.store_path import is_uri
+
+log = logging.getLogger(__name__)
 
 _TRIES = 5
 
@@ -32,8 +40,8 @@ class RunLock:
     process that holds it."""
 
     def __init__(self, run_path: str | Path):
-        self.run_path = Path(run_path)
-        self.path = lock_path(run_path)
+        self.run_path = run_path
+        self.path = None if is_uri(run_path) else lock_path(run_path)
         self._fd: int | None = None
 
     def __enter__(self) -> RunLock:
@@ -44,6 +52,13 @@ class RunLock:
         self.release()
 
     def acquire(self) -> None:
+        if self.path is None:
+            log.warning(
+                "output.path %s is on object storage, where no run lock exists: make sure "
+                "no other batchgen run uses it at the same time",
+                self.run_path,
+            )
+            return
         self.path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
         try:
@@ -85,6 +100,8 @@ def _flock_exclusive(fd: int) -> None:
 def held_by(run_path: str | Path) -> str | None:
     """Who holds the run's lock now ("pid N on host H, since ..."), or None; takes no
     lock and writes nothing (a shared lock is tried and dropped at once)."""
+    if is_uri(run_path):
+        return None  # object storage: no lock to ask
     try:
         fd = os.open(lock_path(run_path), os.O_RDONLY)
     except FileNotFoundError:

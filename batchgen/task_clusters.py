@@ -23,10 +23,12 @@ reads them with a cursor alongside the input instead of holding an id -> cluster
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import logging
 import os
 import shutil
+import tempfile
 import time
 from collections import Counter
 from collections.abc import Callable, Iterable, Iterator
@@ -42,6 +44,7 @@ from batchgen.job_spec import JobSpec
 from batchgen.render import template_columns, template_text
 from batchgen.rows import InputRow
 from batchgen.run_dir import write_atomic
+from batchgen.store_path import StorePath, parquet_file, read_table, run_path
 from clustering.cluster import ClusterConfig, KMeansClusterer
 from clustering.embed import Embedder
 from clustering.embedding_cache import CachedEmbedder
@@ -131,7 +134,7 @@ class AssignmentCursor:
         self.path = path
         self._names = names
         self._largest = largest
-        self._batches = pq.ParquetFile(path).iter_batches(columns=["id", "cluster_id"])
+        self._batches = parquet_file(path).iter_batches(columns=["id", "cluster_id"])
         self._ids: list = []
         self._clusters: list = []
         self._start = 0  # input position of self._ids[0]
@@ -191,7 +194,7 @@ def _chunks(rows: Iterable[tuple[str, str | None]], size: int) -> Iterator[list]
 def load_task_clusters(directory: str | os.PathLike, settings: ClusterSettings | None = None):
     """The stored result in `directory`, or None if there is none (or it was made with
     other settings, when `settings` is given)."""
-    directory = Path(directory)
+    directory = run_path(directory)
     meta_path = directory / "clusters.json"
     if not meta_path.is_file() or not (directory / "assignments.parquet").is_file():
         return None
@@ -527,6 +530,8 @@ def cluster_job(
     total_rows: int | None = None,
 ) -> TaskClusters:
     """The task clusters of a `cluster: auto` job, built or reloaded from `directory`."""
+    if isinstance(directory, StorePath):
+        return _cluster_on_store(job, rows, directory, on_progress, total_rows)
     return build_task_clusters(
         prompt_texts(job, rows),
         directory,
@@ -534,6 +539,44 @@ def cluster_job(
         on_progress=on_progress,
         total_rows=total_rows,
     )
+
+
+# What a stored result is made of, the marker of a finished one last.
+_PUBLISHED = ("assignments.parquet", "clusters.json")
+
+
+def _cluster_on_store(
+    job: JobSpec,
+    rows: Iterable[InputRow],
+    directory: StorePath,
+    on_progress: ProgressCallback | None,
+    total_rows: int | None,
+) -> TaskClusters:
+    """Clusters for a run directory on object storage: built in a local scratch
+    directory (the embedding cache and the spilled rows are memory-mapped files), then
+    published there, assignments first and clusters.json, which marks it finished, last.
+    A resume fetches the published result and reloads it without embedding; the
+    embedding cache is not kept, so clustering again with other settings embeds again."""
+    with tempfile.TemporaryDirectory(prefix="batchgen-clusters-") as scratch:
+        local = Path(scratch)
+        published = all((directory / name).is_file() for name in _PUBLISHED)
+        if published:
+            for name in _PUBLISHED:
+                (directory / name).download(local / name)
+        before = (local / "clusters.json").read_bytes() if published else None
+        built = build_task_clusters(
+            prompt_texts(job, rows),
+            local,
+            settings_for_job(job),
+            on_progress=on_progress,
+            total_rows=total_rows,
+        )
+        if (local / "clusters.json").read_bytes() != before:
+            directory.mkdir(parents=True, exist_ok=True)
+            (directory / "clusters.json").unlink(missing_ok=True)
+            for name in _PUBLISHED:
+                (directory / name).upload(local / name)
+    return dataclasses.replace(built, directory=directory)
 
 
 def cluster_section(
@@ -560,7 +603,7 @@ def cluster_section(
 
     for path, seconds in parts:
         columns = ["cluster_id", "n_index", "prompt_tokens", "completion_tokens"]
-        frame = pq.read_table(path, columns=columns).to_pydict()
+        frame = read_table(path, columns=columns).to_pydict()
         part_tokens: Counter = Counter()
         for cluster, n_index, prompt, completion in zip(*(frame[c] for c in columns)):
             row = entry(cluster)

@@ -6,7 +6,6 @@ manifest line and the job fingerprint in its Parquet metadata (see part_check.py
 from __future__ import annotations
 
 import heapq
-import os
 import time
 from collections import deque
 from collections.abc import Callable, Iterable
@@ -18,7 +17,7 @@ import pyarrow.parquet as pq
 
 from batchgen.part_check import METADATA_KEY, file_checksum, part_metadata
 from batchgen.rows import ResultRow
-from batchgen.run_dir import ManifestEntry, RunDir, fsync_dir, tmp_name
+from batchgen.run_dir import ManifestEntry, RunDir, fsync_dir, fsync_file, tmp_name
 
 _TOP_LOGPROB_FIELDS = [
     pa.field("token", pa.string()),
@@ -92,14 +91,13 @@ def write_part_file(table: pa.Table, path: Path) -> tuple[int, str]:
     file's size and checksum. An OS error removes the tmp file and raises PartWriteError."""
     tmp = tmp_name(path)
     try:
-        with open(tmp, "wb") as f:
+        with tmp.open("wb") as f:
             pq.write_table(table, f, compression="zstd")
-            f.flush()
-            os.fsync(f.fileno())
+            fsync_file(f)
         # Hashed from the tmp file before the rename: the manifest's checksum is of what
-        # the disk holds (the page cache makes this read cheap).
+        # the disk (or the object store) holds.
         size, checksum = tmp.stat().st_size, file_checksum(tmp)
-        os.replace(tmp, path)
+        tmp.replace(path)
         fsync_dir(path.parent)
     except BaseException as exc:
         tmp.unlink(missing_ok=True)

@@ -1,10 +1,11 @@
 """Input blocks: the unit of work of a distributed run.
 
-A block is a slice of one row group of one input file, at most `block_rows` rows: a
-worker reads it alone (no machine reads the whole input) and writes its results as one
-part. The driver plans the blocks from the files' row-group sizes, reading no data for a
-fresh run; on a resume it reads each row group's ids to leave the committed rows out, and
-drops a block whose rows are all committed before any work is sent out.
+A block is a slice of one row group of one input file, at most `block_rows` rows: one
+Ray Data read task reads it alone (no machine reads the whole input), one worker runs it
+and writes its results as one part. The driver plans the blocks from the files' row-group
+sizes, reading no data for a fresh run; on a resume it reads each row group's ids to
+leave the committed rows out, and drops a block whose rows are all committed before any
+work is sent out.
 
 Each block gets the name of its part in results/ when it is planned, in input order, so
 `order: input` holds across parts read in name order.
@@ -12,8 +13,6 @@ Each block gets the name of its part in results/ when it is planned, in input or
 
 from __future__ import annotations
 
-import dataclasses
-import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +22,11 @@ import pyarrow.parquet as pq
 
 from batchgen.reader import ParquetInput
 from batchgen.rows import InputRow
+from batchgen.store_path import StorePath, parquet_file
+
+# The input position of each row of a block on its way to a worker, and the block's index.
+SEQ_COLUMN = "__batchgen_seq"
+BLOCK_COLUMN = "__batchgen_block"
 
 
 @dataclass(frozen=True)
@@ -34,21 +38,36 @@ class InputBlock:
     offset: int  # of its first row in the row group
     count: int
     first_seq: int  # the input position of its first row
+    file_row: int  # the position of its first row in its file
     skip_ids: tuple[str, ...] = ()  # committed by an earlier session
 
-    def to_json(self) -> str:
-        return json.dumps(dataclasses.asdict(self))
+    @property
+    def rows_to_run(self) -> int:
+        return self.count - len(self.skip_ids)
 
-    @classmethod
-    def from_json(cls, text: str) -> InputBlock:
-        data = json.loads(text)
-        return cls(**{**data, "skip_ids": tuple(data["skip_ids"])})
+    def read(self, source: ParquetInput) -> pa.Table:
+        """The block's rows that still have to run, in input order: the columns the job
+        reads, and their input positions in SEQ_COLUMN."""
+        table = source.read_slice(self.file, self.row_group, self.offset, self.count)
+        table = table.append_column(
+            SEQ_COLUMN, pa.array(range(self.first_seq, self.first_seq + self.count), pa.int64())
+        )
+        if self.skip_ids:
+            skip = set(self.skip_ids)
+            ids = source.table_ids(table)
+            table = table.filter(pa.array([i not in skip for i in ids]))
+        return table
 
-    def rows(self, source: ParquetInput) -> list[InputRow]:
-        """The block's rows that still have to run, in input order."""
-        skip = set(self.skip_ids)
-        rows = source.slice_rows(self.file, self.row_group, self.offset, self.count, self.first_seq)
-        return [row for row in rows if row.id not in skip]
+    def rows(self, source: ParquetInput, table: pa.Table) -> list[InputRow]:
+        """The InputRows of what `read` gave (after its trip through Ray Data)."""
+        seqs = table.column(SEQ_COLUMN).to_pylist()
+        if len(seqs) != self.rows_to_run:
+            raise ValueError(
+                f"block {self.index} ({self.part}) arrived with {len(seqs)} of its "
+                f"{self.rows_to_run} rows: a block must reach one worker whole"
+            )
+        rows = source.table_rows(self.file, self.file_row, table.drop([SEQ_COLUMN]), seqs)
+        return list(rows)
 
 
 def plan_blocks(
@@ -59,6 +78,7 @@ def plan_blocks(
     seq = 0
     for file_index, path in enumerate(source.files):
         pf = pq.ParquetFile(path)
+        file_row = 0
         for group in range(pf.num_row_groups):
             size = pf.metadata.row_group(group).num_rows
             ids = source.row_group_ids(file_index, group) if done_ids else None
@@ -76,15 +96,17 @@ def plan_blocks(
                         offset=offset,
                         count=count,
                         first_seq=seq + offset,
+                        file_row=file_row + offset,
                         skip_ids=skip,
                     )
                     index += 1
             seq += size
+            file_row += size
 
 
-def read_row_range(path: Path, start: int, stop: int, columns: list[str]) -> pa.Table:
+def read_row_range(path: Path | StorePath, start: int, stop: int, columns: list[str]) -> pa.Table:
     """Rows [start, stop) of a Parquet file, reading only the row groups that hold them."""
-    pf = pq.ParquetFile(path)
+    pf = parquet_file(path)
     pieces = []
     first = 0
     for group in range(pf.num_row_groups):

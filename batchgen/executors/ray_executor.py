@@ -1,14 +1,17 @@
 """`executor: {type: ray}`: a job's rows run on a Ray cluster, one engine per worker
-actor, into the run directory the local executor uses (a path every node sees).
+actor, into the run directory the local executor uses: a path every node sees, or object
+storage (batchgen.store_path).
 
 The driver (the process that ran `batchgen run`) does what the local executor does
 before and after generation: the run lock, the run directory check, --retry-errors,
 clustering (stored in the run directory), the report. In between it plans the input as
-blocks (batchgen.executors.blocks) and hands them to a Ray Data actor pool
-(`map_batches` over a callable class, `concurrency` = num_workers); each actor builds
-the engine once and runs block after block through the local executor's RunLoop, writing
-each block's part under its own staging directory. The driver commits each part as it
-comes back: the only writer of _manifest.jsonl (batchgen.executors.staging).
+blocks (batchgen.executors.blocks: slices of row groups, committed rows left out) and
+runs a Ray Data pipeline over them: a datasource with one read task per block
+(batchgen.executors.block_source), into an actor pool (`map_batches` over a callable
+class, `concurrency` = num_workers); each actor builds the engine once and runs block
+after block through the local executor's RunLoop, writing each block's part under its own
+staging directory. The driver commits each part as it comes back: the only writer of
+_manifest.jsonl (batchgen.executors.staging).
 
 Faults: an actor that dies (killed, out of memory, node lost) is restarted by Ray and
 its block runs again (Ray Data retries the task); the copy of a block the driver sees
@@ -43,9 +46,10 @@ from batchgen.run import (
     conclude_session,
     open_session,
 )
-from batchgen.run_dir import ManifestEntry, new_session_id
+from batchgen.run_dir import ManifestEntry, RunDir, new_session_id
 from batchgen.run_lock import RunLock
 from batchgen.stop_flag import SIGNALS, StopFlag
+from batchgen.store_path import is_uri, run_path
 
 log = logging.getLogger(__name__)
 
@@ -75,7 +79,14 @@ def run_job_on_ray(
 ) -> RunOutcome:
     """`run_job` for `executor: ray` (same exit codes and errors)."""
     ray = import_ray()
+    if is_uri(job.output.path):
+        check_object_storage_job(job, new_run)
     ctx = open_job(job)
+    if ctx.format != "parquet":
+        raise JobError(
+            f"input.format: {ctx.format} request files run on the local executor only; the "
+            "Ray executor reads Parquet input by row groups"
+        )
     stop = StopFlag()
     with RunLock(job.output.path), stop.installed(graceful=False):
         try:
@@ -83,9 +94,25 @@ def run_job_on_ray(
         except KeyboardInterrupt:
             return RunOutcome(
                 EXIT_INTERRUPTED,
-                Path(job.output.path),
+                run_path(job.output.path),
                 f"interrupted; committed rows are kept; resume with `batchgen run {job_path}`",
             )
+
+
+def check_object_storage_job(job: JobSpec, new_run: bool) -> None:
+    """Refuse (JobError) what a run directory on object storage cannot hold: the pieces
+    that live in local files by nature (batchgen.store_path says what holds there)."""
+    where = f"output.path {job.output.path} is on object storage"
+    if job.output.export is not None:
+        raise JobError(
+            f"output.export is not supported when {where}; export afterwards with "
+            "`batchgen export` from a local copy of the run"
+        )
+    if new_run and RunDir(job.output.path).exists():
+        raise JobError(
+            f"--new-run is not supported when {where} and a run is there: moving it aside "
+            "would copy every object; point output.path at a new prefix instead"
+        )
 
 
 def _run_locked(ray, ctx, job, job_path, new_run, retry_errors, progress) -> RunOutcome:
@@ -139,13 +166,15 @@ def _run_session(
 def _worker_labels(job: JobSpec, ctx: JobContext, session: Session) -> WorkerLabels:
     mode = cluster_mode(job.batching)
     if mode == "column":
-        # Ids in input order over the whole input, as the local executor gives them.
+        # Ids in input order over the whole input, as the local executor gives them (a
+        # row's label is one of its values: none when the column is the id column).
         labels: ClusterLabels = session.labels
-        for row in ctx.input.rows():
-            labels.assign(row)
+        if labels.column in ctx.input.value_columns():
+            for value in ctx.input.column_values(labels.column):
+                labels.id_for(value)
         return WorkerLabels("column", column=labels.column, ids=dict(labels.ids))
     if mode == "auto":
-        return WorkerLabels("auto", assignments=str(session.labels.path))
+        return WorkerLabels("auto", assignments=session.labels.path)
     return WorkerLabels("off")
 
 
@@ -161,6 +190,23 @@ def _signal_handlers_kept():
     finally:
         for s, handler in saved.items():
             signal.signal(s, handler)
+
+
+@contextmanager
+def _data_context(ray):
+    """Ray Data settings of the run's pipeline, put back on the way out (the driver may be
+    a process that goes on using Ray Data)."""
+    context = ray.data.DataContext.get_current()
+    saved = context.enable_progress_bars, context.target_max_block_size
+    # The driver's own progress lines and display count the run; Ray Data's bars would
+    # interleave with them.
+    context.enable_progress_bars = False
+    # A read task's output is never split: a block reaches its worker whole, as one part.
+    context.target_max_block_size = None
+    try:
+        yield
+    finally:
+        context.enable_progress_bars, context.target_max_block_size = saved
 
 
 def _connect(ray, spec: ExecutorSpec) -> bool:
@@ -193,31 +239,42 @@ def _drive(ray, ctx, job, session: Session, labels: WorkerLabels, blocks) -> tup
     if not blocks:
         return "done", None
     spec = job.executor
-    # The driver's own progress lines and display count the run; Ray Data's bars would
-    # interleave with them.
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    # Ray Data's classes: imported once Ray is known to be there (import_ray).
+    from batchgen.executors.block_source import BlockSource
+
     options = _actor_options(spec)
     threads = int(options["num_cpus"]) or None
-    dataset = ray.data.from_items(
-        [{"block": block.to_json()} for block in blocks], override_num_blocks=len(blocks)
+    # Reads take no CPU of their own: the workers may hold every CPU of the cluster, and
+    # a read that waited for one would never run. Their number in flight is bounded.
+    dataset = ray.data.read_datasource(
+        BlockSource(ctx.input, blocks),
+        num_cpus=0,
+        concurrency=2 * spec.num_workers,
+        # As many output blocks as read tasks: fewer would have Ray Data split each
+        # task's output to reach its default parallelism.
+        override_num_blocks=len(blocks),
     ).map_batches(
         BlockWorker,
         fn_constructor_kwargs={
             "job": job,
-            "run_path": str(session.run_dir.path.resolve()),
+            "run_path": session.run_dir.path.resolve(),
             "session": session.id,
             "schema": schema_for_run(session.run_dir, ctx.schema),
             "labels": labels,
+            "blocks": blocks,
             "threads": threads,
         },
-        batch_size=1,
+        batch_size=None,  # one read task's block per call
+        batch_format="pyarrow",
+        # A fixed pool of num_workers actors (Ray Data's `concurrency=N`, which it now
+        # asks to be given as this).
         compute=ray.data.ActorPoolStrategy(size=spec.num_workers),
         **options,
     )
     budget = job.errors.budget * ctx.total_rows * job.sampling.n
     stats, stop = session.stats, StopFlag()
     committed: set[int] = set()
-    with stop.installed(graceful=True):
+    with stop.installed(graceful=True), _data_context(ray):
         try:
             for row in dataset.iter_rows():
                 staged = json.loads(row["staged"])
@@ -235,10 +292,24 @@ def _drive(ray, ctx, job, session: Session, labels: WorkerLabels, blocks) -> tup
         except KeyboardInterrupt:
             return "interrupted", None
         except ray.exceptions.RayError as exc:
-            message = " ".join(str(exc).split())[:500]
+            message = _root_cause(exc)
             log.error("the Ray job failed: %s", message)
             return "engine_failed", f"the Ray job failed: {message}"
     return "done", None
+
+
+def _root_cause(exc: BaseException) -> str:
+    """The exception a Ray error wraps, as one line: a worker's own error (a bad block,
+    an engine that cannot load) is what a person needs, not Ray's traceback around it."""
+    seen = {id(exc)}
+    while True:
+        inner = getattr(exc, "cause", None) or exc.__cause__
+        if not isinstance(inner, BaseException) or id(inner) in seen:
+            break
+        seen.add(id(inner))
+        exc = inner
+    text = str(exc).strip().splitlines()
+    return " ".join(f"{type(exc).__name__}: {text[-1] if text else ''}".split())[:500]
 
 
 def _commit(session: Session, staged: dict, committed: set[int], blocks) -> str:

@@ -1,10 +1,11 @@
 """A Ray worker: one engine per actor process, built once, running one input block per
 call through the same RunLoop the local executor runs, into one staged part.
 
-Ray Data calls `BlockWorker` with batches of one block each (a JSON string in column
-`block`) and gets back, per block, a JSON string in column `staged`: the part's manifest
-line (or none when no row of the block finished), the loop's end state and the block's
-counters. The driver commits the part (batchgen.executors.staging)."""
+Ray Data calls `BlockWorker` with the Arrow blocks the read tasks gave
+(batchgen.executors.block_source: a block's rows still to run, its index in
+BLOCK_COLUMN) and gets back, per block, a JSON string in column `staged`: the part's
+manifest line (or none when no row of the block finished), the loop's end state and the
+block's counters. The driver commits the part (batchgen.executors.staging)."""
 
 from __future__ import annotations
 
@@ -12,10 +13,12 @@ import dataclasses
 import json
 import math
 from dataclasses import dataclass
+from pathlib import Path
 
 import pyarrow as pa
+import pyarrow.compute as pc
 
-from batchgen.executors.blocks import InputBlock, read_row_range
+from batchgen.executors.blocks import BLOCK_COLUMN, InputBlock, read_row_range
 from batchgen.executors.staging import new_worker_key, register_worker, staging_dir
 from batchgen.job_context import open_job
 from batchgen.job_engine import load_llm
@@ -31,6 +34,7 @@ from batchgen.run import (
 )
 from batchgen.run_dir import RunDir
 from batchgen.stats import RunStats
+from batchgen.store_path import StorePath
 from batchgen.writer import results_table, write_part
 
 
@@ -44,7 +48,7 @@ class WorkerLabels:
     mode: str  # "off" | "column" | "auto"
     column: str | None = None
     ids: dict[str, int] | None = None
-    assignments: str | None = None
+    assignments: Path | StorePath | None = None
 
     def for_block(self, block: InputBlock):
         if self.mode == "column":
@@ -117,10 +121,11 @@ class BlockWorker:
     def __init__(
         self,
         job: JobSpec,
-        run_path: str,
+        run_path: Path | StorePath,
         session: str,
         schema: pa.Schema,
         labels: WorkerLabels,
+        blocks: list[InputBlock],
         threads: int | None = None,
     ) -> None:
         if threads:
@@ -134,6 +139,7 @@ class BlockWorker:
         self.session = session
         self.schema = schema
         self.labels = labels
+        self.blocks = blocks
         self.ctx = open_job(job, check_ids=False)  # the driver checked the ids
         llm = load_llm(job)
         self.model = getattr(llm, "model_name", job.model.path)
@@ -144,11 +150,15 @@ class BlockWorker:
         self.engine = supervise_engine(llm, job, self.run_dir, self.engine_session, self.recording)
         del llm
 
-    def __call__(self, batch: dict) -> dict:
-        return {"staged": [self.run_block(InputBlock.from_json(b)) for b in batch["block"]]}
+    def __call__(self, batch: pa.Table) -> dict:
+        staged = []
+        for index in pc.unique(batch.column(BLOCK_COLUMN)).to_pylist():
+            rows = batch.filter(pc.equal(batch.column(BLOCK_COLUMN), index))
+            staged.append(self.run_block(self.blocks[index], rows.drop([BLOCK_COLUMN])))
+        return {"staged": staged}
 
-    def run_block(self, block: InputBlock) -> str:
-        rows = block.rows(self.ctx.input)
+    def run_block(self, block: InputBlock, table: pa.Table) -> str:
+        rows = block.rows(self.ctx.input, table)
         collector = BlockCollector()
         stats = RunStats(rows_total=len(rows), n=self.job.sampling.n)
         restarts = self.engine.restarts

@@ -54,7 +54,7 @@ def register_worker(run_dir: RunDir, worker: str) -> None:
     path = directory / f"{worker}.json"
     tmp = directory / f".{worker}.json.tmp"
     tmp.write_text(json.dumps({**info, "started": time.time()}))
-    os.replace(tmp, path)
+    tmp.replace(path)
 
 
 def commit_staged(run_dir: RunDir, worker: str, entry: ManifestEntry) -> None:
@@ -63,9 +63,9 @@ def commit_staged(run_dir: RunDir, worker: str, entry: ManifestEntry) -> None:
     source = staging_dir(run_dir, worker)
     check_committed(source / entry.part, entry)
     if entry.error:
-        os.replace(source / "errors" / entry.part, run_dir.errors / entry.part)
+        (source / "errors" / entry.part).replace(run_dir.errors / entry.part)
         fsync_dir(run_dir.errors)
-    os.replace(source / entry.part, run_dir.results / entry.part)
+    (source / entry.part).replace(run_dir.results / entry.part)
     fsync_dir(run_dir.results)
     run_dir.append_manifest(entry)
 

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.executors.blocks import InputBlock, plan_blocks, read_row_range
+from batchgen.executors.blocks import BLOCK_COLUMN, plan_blocks, read_row_range
 from batchgen.job_spec import InputSpec
 from batchgen.reader import ParquetInput
 
@@ -32,7 +32,7 @@ def _input(tmp_path, sizes: list[int], row_group: int, id_column: str | None = "
 
 
 def _block_rows(source, blocks):
-    return [row for block in blocks for row in block.rows(source)]
+    return [row for block in blocks for row in block.rows(source, block.read(source))]
 
 
 @pytest.mark.parametrize("sizes, row_group, block_rows", [([37], 10, 4), ([5, 23, 1], 7, 3)])
@@ -67,11 +67,6 @@ def test_resumed_blocks_skip_committed_rows_and_empty_blocks(tmp_path):
     assert all(set(b.skip_ids) <= done for b in blocks)
 
 
-def test_block_json_round_trip():
-    block = InputBlock(3, "part-00009.parquet", 1, 2, 5, 4, 77, ("a", "b"))
-    assert InputBlock.from_json(block.to_json()) == block
-
-
 @pytest.mark.parametrize("start, stop", [(0, 5), (3, 17), (9, 10), (20, 30), (29, 30)])
 def test_read_row_range_matches_a_full_read(tmp_path, start, stop):
     values = list(range(30))
@@ -79,3 +74,44 @@ def test_read_row_range_matches_a_full_read(tmp_path, start, stop):
     path = tmp_path / "a.parquet"
     pq.write_table(pa.table({"v": values}), path, row_group_size=4)
     assert read_row_range(path, start, stop, ["v"]).column("v").to_pylist() == values[start:stop]
+
+
+def test_block_file_rows_locate_each_block_in_its_file(tmp_path):
+    source = _input(tmp_path, [5, 23, 1], 7)
+    for block in plan_blocks(source, set(), 3, first_part_number=1):
+        ids = pq.read_table(source.files[block.file]).column("id").to_pylist()
+        got = [r.id for r in block.rows(source, block.read(source))]
+        assert got == ids[block.file_row : block.file_row + block.count]
+
+
+def test_a_block_that_arrives_in_pieces_is_refused(tmp_path):
+    source = _input(tmp_path, [20], 10)
+    block = next(plan_blocks(source, set(), 8, first_part_number=1))
+    with pytest.raises(ValueError, match=r"block 0 \(part-00001.parquet\) arrived with 5 of its 8"):
+        block.rows(source, block.read(source).slice(0, 5))
+
+
+def test_block_source_gives_one_read_task_per_block(tmp_path):
+    pytest.importorskip("ray")
+    from batchgen.executors.block_source import BlockSource
+
+    source = _input(tmp_path, [5, 23, 1], 7)
+    rows = list(source.rows())
+    done = {r.id for r in rows[4:9]}
+    blocks = list(plan_blocks(source, done, 3, first_part_number=1))
+    tasks = BlockSource(source, blocks).get_read_tasks(parallelism=2)
+    assert len(tasks) == len(blocks)
+    got = []
+    for block, task in zip(blocks, tasks):
+        (table,) = list(task())
+        assert set(table.column(BLOCK_COLUMN).to_pylist()) == {block.index}
+        assert table.num_rows == block.rows_to_run == task.metadata.num_rows
+        got += block.rows(source, table.drop([BLOCK_COLUMN]))
+    want = [r for r in rows if r.id not in done]
+    assert [(r.seq, r.id, r.values) for r in got] == [(r.seq, r.id, r.values) for r in want]
+
+
+def test_one_column_read_alone_matches_the_rows(tmp_path):
+    # The driver gives cluster-label ids from this column without reading the others.
+    source = _input(tmp_path, [5, 23, 1], 7)
+    assert list(source.column_values("k")) == [r.values["k"] for r in source.rows()]

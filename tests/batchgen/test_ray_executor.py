@@ -15,9 +15,12 @@ import time
 from pathlib import Path
 
 import pytest
+from click.testing import CliRunner
 
-from batchgen.job_spec import load_job
+from batchgen.cli.report import report_cmd
+from batchgen.job_spec import JobError, load_job, parse_job
 from batchgen.run import run_job
+from tests.batchgen.batch_files import batch_job, openai_chat, write_jsonl
 from tests.batchgen.run_process import int_id_rows, job_file, manifest, results, start
 
 ray = pytest.importorskip("ray")
@@ -171,3 +174,65 @@ def test_driver_killed_then_rerun_completes_exactly_once(ray_cluster, tiny_model
     for note in (run_path / "quarantine").glob("*/reasons.jsonl"):
         for line in note.read_text().splitlines():
             assert "no driver recorded" in json.loads(line)["reason"]
+
+
+def test_a_failed_ray_job_is_told_by_the_worker_error_it_wraps():
+    from batchgen.executors.ray_executor import _root_cause
+
+    try:
+        try:
+            raise ValueError("block 2 (part-00003.parquet) arrived with 1 of its 5 rows")
+        except ValueError as inner:
+            raise ray.exceptions.RayError("UDF failed to process a data block.") from inner
+    except ray.exceptions.RayError as exc:
+        message = _root_cause(exc)
+    assert message == "ValueError: block 2 (part-00003.parquet) arrived with 1 of its 5 rows"
+
+
+def test_object_storage_run_dir_commits_and_resumes_exactly_once(
+    ray_cluster, tiny_model_dir, tmp_path
+):
+    # A file:// URI takes the object-storage path (batchgen.store_path over pyarrow.fs),
+    # the one s3:// and gs:// take, on a filesystem this machine has.
+    batching = {"cluster": "auto", "num_clusters": 3}
+    local, on_ray = _jobs(tiny_model_dir, tmp_path, batching=batching)
+    run_path = tmp_path / "ray" / "run"
+    on_ray.write_text(on_ray.read_text().replace(str(run_path), f"file://{run_path}"))
+    assert load_job(on_ray).output.path == f"file://{run_path}"
+    assert _run_in_process(local).exit_code == 0
+    outcome = _run_in_process(on_ray)
+    assert outcome.exit_code == 0, outcome.message
+    _assert_exactly_once_and_equal(run_path, tmp_path / "local" / "run")
+    assert not (tmp_path / "ray" / ".run.lock").exists()  # the store's path: no flock file
+    # Clusters were built in scratch space and published without the embedding cache.
+    assert sorted(p.name for p in (run_path / "clusters").iterdir()) == [
+        "assignments.parquet",
+        "clusters.json",
+    ]
+
+    # The driver stopped after moving the last part into results/ but before its line
+    # (that part is adopted), and the part before it was lost with its line (its rows
+    # run again).
+    lines = (run_path / "_manifest.jsonl").read_text().splitlines(keepends=True)
+    lost, unrecorded = json.loads(lines[-2])["part"], json.loads(lines[-1])["part"]
+    (run_path / "_manifest.jsonl").write_text("".join(lines[:-2]))
+    (run_path / "results" / lost).unlink()
+    (run_path / "_SUCCESS").unlink()
+    outcome = _run_in_process(on_ray)
+    assert outcome.exit_code == 0, outcome.message
+    _assert_exactly_once_and_equal(run_path, tmp_path / "local" / "run")
+    after = manifest(run_path)
+    assert unrecorded in {e["part"] for e in after}
+    assert len({e["session"] for e in after}) == 2  # the lost rows ran in a new session
+    verified = CliRunner().invoke(report_cmd, [f"file://{run_path}", "--verify"])
+    assert verified.exit_code == 0, verified.output
+
+
+def test_a_request_file_is_refused_on_ray_with_nothing_written(tiny_model_dir, tmp_path):
+    from batchgen.executors.ray_executor import run_job_on_ray
+
+    data = write_jsonl(tmp_path / "in.jsonl", [openai_chat(f"r{i}", "Hello") for i in range(3)])
+    job = parse_job({**batch_job(tmp_path, data, str(tiny_model_dir)), "executor": {"type": "ray"}})
+    with pytest.raises(JobError, match="input.format: openai_batch request files run on the local"):
+        run_job_on_ray(job, "job.yaml")
+    assert not (tmp_path / "run").exists()
