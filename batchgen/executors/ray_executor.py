@@ -33,6 +33,7 @@ from batchgen.executors.blocks import InputBlock, plan_blocks
 from batchgen.executors.ray_worker import BlockWorker, WorkerLabels
 from batchgen.executors.staging import commit_staged, set_aside, set_aside_unrecorded
 from batchgen.job_context import JobContext, open_job
+from batchgen.job_lengths import expected_seq_len
 from batchgen.job_spec import ExecutorSpec, JobError, JobSpec
 from batchgen.part_check import PartDamaged
 from batchgen.planner import ClusterLabels, cluster_mode
@@ -263,6 +264,7 @@ def _drive(ray, ctx, job, session: Session, labels: WorkerLabels, blocks) -> tup
             "labels": labels,
             "blocks": blocks,
             "threads": threads,
+            "expected_seq_len": None if job.batching.max_num_seqs else expected_seq_len(ctx),
         },
         batch_size=None,  # one read task's block per call
         batch_format="pyarrow",

@@ -127,6 +127,7 @@ class BlockWorker:
         labels: WorkerLabels,
         blocks: list[InputBlock],
         threads: int | None = None,
+        expected_seq_len: int | None = None,
     ) -> None:
         if threads:
             import torch
@@ -141,7 +142,9 @@ class BlockWorker:
         self.labels = labels
         self.blocks = blocks
         self.ctx = open_job(job, check_ids=False)  # the driver checked the ids
-        llm = load_llm(job)
+        # the driver's estimate of the job's lengths sizes max_num_seqs "auto" alike on
+        # every worker
+        llm = load_llm(job, expected_seq_len=expected_seq_len)
         self.model = getattr(llm, "model_name", job.model.path)
         self.recording = start_routing_stats(job, llm)
         self.renderer = make_renderer(self.ctx, llm)
