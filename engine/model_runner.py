@@ -220,10 +220,9 @@ class ModelRunner:
         auto = self.config.max_num_seqs == "auto"
         tokens = self.max_model_len + 1 + self.config.speculative_tokens
         blocks_per_seq = -(-tokens // self.block_size)
-        budget = self.config.kv_cache_memory
-        if budget is not None:  # the user's figure covers the sequences' fixed state too
-            pass
-        elif self.device.type == "cuda":  # sized after warm-up forwards
+        # bytes for the sequences' fixed state and the paged cache together
+        budget = self.config.kv_cache_memory  # the user's figure, when given
+        if budget is None and self.device.type == "cuda":  # sized after warm-up forwards
             from engine.backends.cuda.memory import kv_cache_budget
             from engine.cuda_graph_runner import capture_buckets
 
@@ -241,7 +240,7 @@ class ModelRunner:
             )
             for state in self.sequence_state:
                 state.zero_()  # the warm-up wrote into slot 0
-        else:
+        elif budget is None:
             budget = min(2 << 30, int(psutil.virtual_memory().available * 0.25))
         if auto:
             self._choose_max_num_seqs(budget, per_block)
