@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass
 import torch
 
 # The CUDA cap: Moonlight-16B-A3B on one H200, sampled, still gains from 512 to 1,024
-# sequences (bf16 +9% end to end, FP8 + MXFP4 +5%: docs/notes-gpu-engine.md).
+# sequences (end to end, bf16 +10%, FP8 + MXFP4 +6%: data/benchmarks/peer-short-bf16.json,
+# peer-short-fp8-mxfp4.json; docs/notes-vllm-peer.md).
 AUTO_MAX_NUM_SEQS_CUDA = 1024
 DEFAULT_MAX_NUM_SEQS = 64  # also the CPU's "auto"
 

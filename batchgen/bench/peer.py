@@ -105,11 +105,11 @@ def run_short(llm, batches, prompt_len: int, gen: int, temperature: float, weigh
 
 
 def run_job_shape(llm, name: str, make, temperature: float, weights: str):
-    """`make(start)`: the workload's requests, prompts from index `start` on."""
-    requests = make(0)
+    """`make(start=...)`: the workload's requests, prompts from index `start` on."""
+    requests = make(start=0)
     shape = workloads.summary(requests)
-    _generate(llm, make(workloads.WARM_START)[:64], temperature)
-    t1, _ = _generate(llm, workloads.scaled(make(workloads.PREFILL_START), 1), temperature)
+    _generate(llm, make(start=workloads.WARM_START)[:64], temperature)
+    t1, _ = _generate(llm, workloads.scaled(make(start=workloads.PREFILL_START), 1), temperature)
     t, made = _generate(llm, requests, temperature)
     row = {"engine": "batchgen", "workload": name, "weights": weights, **shape,
            "temperature": temperature, "e2e_tok_s": made / t,
@@ -187,7 +187,7 @@ def command(workload, weights, model, batches, prompt_len, gen, count, temperatu
     if workload == "short":
         rows = run_short(llm, batch_list, prompt_len, gen, temperature, weights)
     else:
-        rows = run_job_shape(llm, workload, lambda start: make(start=start), temperature, weights)
+        rows = run_job_shape(llm, workload, make, temperature, weights)
     payload = {"workload": workload, "weights": weights, "model": model or "random Moonlight",
                "engine_info": info, "results": rows}  # fmt: skip
     if compare:
