@@ -111,7 +111,7 @@ class LLMEngine:
         ]
         if compiled is not None:
             for seq in seqs:
-                seq.grammar = SequenceGrammar(compiled)
+                seq.grammar = SequenceGrammar(compiled, self.grammars.stop_token_ids)
         self.requests[request_id] = _RequestState(
             request_id, prompt, list(prompt_token_ids), seqs, tag
         )

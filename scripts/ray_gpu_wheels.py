@@ -1,6 +1,6 @@
-"""Put into .whl/ the wheels the GPU image lacks for `batchgen bench ray --gpu`: Ray, with
-its Java jar left out, and the pure-Python packages batchgen and Ray import that the image
-does not have. Run on a dev machine (it needs the package index); the GPU machine installs
+"""Put into .whl/ the wheels the GPU image lacks for batchgen's GPU benches (`bench ray
+--gpu`, `bench structured`): Ray, with its Java jar left out, llguidance, and the
+pure-Python packages batchgen and Ray import that the image does not have. Run on a dev machine (it needs the package index); the GPU machine installs
 them with scripts/gpu_ray_bench.sh.
 
     python scripts/ray_gpu_wheels.py            # then: du -sh .whl (must stay < 64 MiB)
@@ -11,7 +11,7 @@ rewritten without it (and without its RECORD line) under the same name.
 
 The image (python 3.12, torch 2.11) has pyarrow, pandas, numpy, fsspec, click, filelock,
 msgpack, packaging, protobuf, pyyaml, requests and rich; it lacks Ray, jsonschema (Ray
-needs it) and pydantic (batchgen's job files).
+needs it), llguidance (structured output) and pydantic (batchgen's job files).
 """
 
 from __future__ import annotations
@@ -29,13 +29,20 @@ PACKAGES = [
     "jsonschema-specifications==2025.9.1",
     "referencing==0.37.0",
     "rpds-py==2026.9.1",
+    # batchgen's structured output (bench structured, the grammar-constrained jobs)
+    "llguidance==1.9.1",
     # batchgen's job files
     "pydantic==2.14.4",
     "pydantic-core==2.50.5",
     "annotated-types==0.8.0",
     "typing-inspection==0.4.5",
 ]
-PLATFORMS = ["manylinux_2_28_x86_64", "manylinux_2_17_x86_64", "manylinux2014_x86_64"]
+PLATFORMS = [
+    "manylinux_2_31_x86_64",
+    "manylinux_2_28_x86_64",
+    "manylinux_2_17_x86_64",
+    "manylinux2014_x86_64",
+]
 DROPPED = "ray/jars/"
 
 

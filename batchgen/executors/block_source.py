@@ -3,9 +3,9 @@
 Ray Data schedules the reads (anywhere in the cluster, as the actor pool asks for work,
 with its own backpressure), so the input is read block by block where it is needed and
 neither the driver nor a worker holds more of it than its blocks in flight. Each read
-task gives one Arrow block: the block's rows still to run (committed ones left out by
-InputBlock.read) with their input positions, and the block's index in BLOCK_COLUMN, so
-the worker that gets it knows which part to write.
+task gives one row (blocks.pack_block): the block's index, so the worker that gets it
+knows which part to write, and the block's rows still to run (committed ones left out by
+InputBlock.read) with their input positions, as one Arrow IPC stream.
 """
 
 from __future__ import annotations
@@ -16,14 +16,12 @@ import pyarrow as pa
 from ray.data import Datasource, ReadTask
 from ray.data.block import BlockMetadata
 
-from batchgen.executors.blocks import BLOCK_COLUMN, InputBlock
+from batchgen.executors.blocks import InputBlock, pack_block
 from batchgen.reader import ParquetInput
 
 
 def read_block(source: ParquetInput, block: InputBlock) -> list[pa.Table]:
-    table = block.read(source)
-    index = pa.array([block.index] * table.num_rows, pa.int64())
-    return [table.append_column(BLOCK_COLUMN, index)]
+    return [pack_block(block.index, block.read(source))]
 
 
 class BlockSource(Datasource):
@@ -41,7 +39,7 @@ class BlockSource(Datasource):
             ReadTask(
                 functools.partial(read_block, self.source, block),
                 BlockMetadata(
-                    num_rows=block.rows_to_run,
+                    num_rows=1,  # the packed block
                     size_bytes=None,
                     exec_stats=None,
                     input_files=(str(self.source.files[block.file]),),

@@ -24,9 +24,29 @@ from batchgen.reader import ParquetInput
 from batchgen.rows import InputRow
 from batchgen.store_path import StorePath, parquet_file
 
-# The input position of each row of a block on its way to a worker, and the block's index.
+# The input position of each row of a block on its way to a worker; a block travels as
+# one Ray Data row: its index and its rows as one Arrow IPC stream.
 SEQ_COLUMN = "__batchgen_seq"
 BLOCK_COLUMN = "__batchgen_block"
+ROWS_COLUMN = "__batchgen_rows"
+
+
+def pack_block(index: int, table: pa.Table) -> pa.Table:
+    """The one-row table a read task gives for a block: so a map_batches batch of one row
+    is one whole block (Ray Data slices batches across its blocks at batch_size, which it
+    requires for GPU actors, and a block is the unit of commit)."""
+    sink = pa.BufferOutputStream()
+    with pa.ipc.new_stream(sink, table.schema) as writer:
+        writer.write_table(table)
+    rows = pa.array([sink.getvalue().to_pybytes()], pa.large_binary())
+    return pa.table({BLOCK_COLUMN: pa.array([index], pa.int64()), ROWS_COLUMN: rows})
+
+
+def unpack_blocks(batch: pa.Table) -> list[tuple[int, pa.Table]]:
+    """(block index, its rows) for each row of a batch of packed blocks."""
+    indices = batch.column(BLOCK_COLUMN).to_pylist()
+    payloads = batch.column(ROWS_COLUMN).to_pylist()
+    return [(i, pa.ipc.open_stream(p).read_all()) for i, p in zip(indices, payloads)]
 
 
 @dataclass(frozen=True)

@@ -266,7 +266,7 @@ def _drive(ray, ctx, job, session: Session, labels: WorkerLabels, blocks) -> tup
             "threads": threads,
             "expected_seq_len": None if job.batching.max_num_seqs else expected_seq_len(ctx),
         },
-        batch_size=None,  # one read task's block per call
+        batch_size=1,  # one packed block per call (blocks.pack_block)
         batch_format="pyarrow",
         # A fixed pool of num_workers actors (Ray Data's `concurrency=N`, which it now
         # asks to be given as this).

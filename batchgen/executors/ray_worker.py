@@ -1,9 +1,8 @@
 """A Ray worker: one engine per actor process, built once, running one input block per
 call through the same RunLoop the local executor runs, into one staged part.
 
-Ray Data calls `BlockWorker` with the Arrow blocks the read tasks gave
-(batchgen.executors.block_source: a block's rows still to run, its index in
-BLOCK_COLUMN) and gets back, per block, a JSON string in column `staged`: the part's
+Ray Data calls `BlockWorker` with batches of one row, a block as the read task packed it
+(batchgen.executors.block_source: its index and its rows still to run) and gets back, per block, a JSON string in column `staged`: the part's
 manifest line (or none when no row of the block finished), the loop's end state and the
 block's counters. The driver commits the part (batchgen.executors.staging)."""
 
@@ -16,9 +15,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from batchgen.executors.blocks import BLOCK_COLUMN, InputBlock, read_row_range
+from batchgen.executors.blocks import InputBlock, read_row_range, unpack_blocks
 from batchgen.executors.staging import new_worker_key, register_worker, staging_dir
 from batchgen.job_context import open_job
 from batchgen.job_engine import load_llm
@@ -155,9 +153,8 @@ class BlockWorker:
 
     def __call__(self, batch: pa.Table) -> dict:
         staged = []
-        for index in pc.unique(batch.column(BLOCK_COLUMN)).to_pylist():
-            rows = batch.filter(pc.equal(batch.column(BLOCK_COLUMN), index))
-            staged.append(self.run_block(self.blocks[index], rows.drop([BLOCK_COLUMN])))
+        for index, rows in unpack_blocks(batch):
+            staged.append(self.run_block(self.blocks[index], rows))
         return {"staged": staged}
 
     def run_block(self, block: InputBlock, table: pa.Table) -> str:

@@ -12,12 +12,20 @@ class SequenceGrammar:
     The engine never feeds it tokens: before a mask is built, `sync` catches it up with
     the sequence's output so far, so it stays right across async steps, speculative drafts,
     preemption and recompute (the sequence keeps its tokens; an output that is not an
-    extension of what was accepted rebuilds the matcher from the tokens)."""
+    extension of what was accepted rebuilds the matcher from the tokens).
 
-    def __init__(self, compiled) -> None:
+    Once the grammar is complete with nothing that may follow (a JSON object's closing
+    brace), llguidance stops the matcher, which then refuses even EOS; a stop token there
+    is accepted here without reaching the matcher. It arrives that way under async
+    scheduling: the next step is scheduled before the EOS is read, and its mask is built
+    from an output that already ends with it (the engine drops that step's token)."""
+
+    def __init__(self, compiled, stop_token_ids: list[int] | tuple[int, ...] = ()) -> None:
         self._compiled = compiled
+        self._stop_token_ids = frozenset(stop_token_ids)
         self.matcher = compiled.deep_copy()
         self._tokens: list[int] = []  # accepted so far
+        self._after_stop = 0  # trailing stop tokens accepted past the matcher's end
 
     @property
     def num_accepted(self) -> int:
@@ -31,6 +39,7 @@ class SequenceGrammar:
         if n and (len(output_token_ids) < n or output_token_ids[n - 1] != self._tokens[-1]):
             self.matcher = self._compiled.deep_copy()
             self._tokens = []
+            self._after_stop = 0
             n = 0
         for token in output_token_ids[n:]:
             if not self.try_accept(token):
@@ -49,13 +58,21 @@ class SequenceGrammar:
     def try_accept(self, token: int) -> bool:
         """Accept one more token (a draft) if the grammar allows it; `rollback` undoes it.
         A refused token leaves the matcher as it was."""
-        if self.matcher.is_stopped() or not self.matcher.validate_tokens([token]):
+        if self.matcher.is_stopped():
+            if token not in self._stop_token_ids:
+                return False
+            self._after_stop += 1
+        elif self.matcher.validate_tokens([token]):
+            self.matcher.consume_token(token)
+        else:
             return False
-        self.matcher.consume_token(token)
         self._tokens.append(token)
         return True
 
     def rollback(self, num_tokens: int) -> None:
         if num_tokens:
-            self.matcher.rollback(num_tokens)
+            past_end = min(num_tokens, self._after_stop)
+            self._after_stop -= past_end
+            if num_tokens > past_end:
+                self.matcher.rollback(num_tokens - past_end)
             del self._tokens[-num_tokens:]

@@ -10,7 +10,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 import pytest
 
-from batchgen.executors.blocks import BLOCK_COLUMN, plan_blocks, read_row_range
+from batchgen.executors.blocks import plan_blocks, read_row_range, unpack_blocks
 from batchgen.job_spec import InputSpec
 from batchgen.reader import ParquetInput
 
@@ -103,10 +103,11 @@ def test_block_source_gives_one_read_task_per_block(tmp_path):
     assert len(tasks) == len(blocks)
     got = []
     for block, task in zip(blocks, tasks):
-        (table,) = list(task())
-        assert set(table.column(BLOCK_COLUMN).to_pylist()) == {block.index}
-        assert table.num_rows == block.rows_to_run == task.metadata.num_rows
-        got += block.rows(source, table.drop([BLOCK_COLUMN]))
+        (packed,) = list(task())
+        assert packed.num_rows == task.metadata.num_rows == 1  # one whole block per row
+        ((index, table),) = unpack_blocks(packed)
+        assert index == block.index and table.num_rows == block.rows_to_run
+        got += block.rows(source, table)
     want = [r for r in rows if r.id not in done]
     assert [(r.seq, r.id, r.values) for r in got] == [(r.seq, r.id, r.values) for r in want]
 

@@ -222,6 +222,29 @@ def test_matcher_rebuilds_when_the_output_is_not_an_extension(llm):
         SequenceGrammar(compiled).sync(hf.encode("zzz", add_special_tokens=False))
 
 
+def test_a_stop_token_after_the_grammar_ends_is_accepted_and_rolled_back(llm):
+    """A complete choice stops llguidance's matcher, which then refuses EOS; under async
+    scheduling the next step's mask sees the output ending with it, so it must be taken."""
+    from engine.structured_output.matcher import SequenceGrammar
+
+    engine = llm.engine
+    compiled = engine.grammars.compile(grammar_spec({"type": "choice", "choice": CHOICES}))
+    neg = engine.tokenizer.hf.encode("negative", add_special_tokens=False)
+    eos = engine.runner.eos_token_ids[0]
+    grammar = SequenceGrammar(compiled, engine.grammars.stop_token_ids)
+    grammar.sync(neg)
+    assert grammar.matcher.is_stopped()  # llguidance ends the matcher at a complete choice
+    grammar.sync(neg + [eos])
+    assert grammar.num_accepted == len(neg) + 1
+    assert not grammar.try_accept(neg[0])  # nothing but a stop token past the end
+    grammar.rollback(2)  # the stop token and one real token
+    assert grammar.num_accepted == len(neg) - 1 and not grammar.matcher.is_stopped()
+    grammar.sync(neg + [eos])
+    assert grammar.num_accepted == len(neg) + 1
+    with pytest.raises(RuntimeError, match="breaks the grammar"):
+        SequenceGrammar(compiled).sync(neg + [eos])  # no stop ids given: refused as before
+
+
 @pytest.fixture(scope="module")
 def tiny_deepseek(tmp_path_factory):
     from engine.checkpoint_maker import make_random_checkpoint
