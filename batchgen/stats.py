@@ -64,6 +64,8 @@ class RunStats:
         prompt_tokens: int,
         completion_tokens: int,
         finish_reasons: dict[str, int],
+        prefilled_prompt_tokens: int = 0,
+        cached_prompt_tokens: int = 0,
     ) -> None:
         """Count the rows of a block another process ran (a Ray worker), as one event."""
         self.rows_done += rows
@@ -71,6 +73,8 @@ class RunStats:
         self.error += error
         self.prompt_tokens += prompt_tokens
         self.completion_tokens += completion_tokens
+        self.prefilled_prompt_tokens += prefilled_prompt_tokens
+        self.cached_prompt_tokens += cached_prompt_tokens
         self.finish_reasons.update(finish_reasons)
         self._add_to_window(time.time(), prompt_tokens, completion_tokens)
 

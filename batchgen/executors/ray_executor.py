@@ -346,5 +346,7 @@ def _commit(session: Session, staged: dict, committed: set[int], blocks) -> str:
         staged["prompt_tokens"],
         staged["completion_tokens"],
         staged["finish_reasons"],
+        staged["prefilled_prompt_tokens"],
+        staged["cached_prompt_tokens"],
     )
     return staged["state"]

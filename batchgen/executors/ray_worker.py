@@ -205,6 +205,8 @@ class BlockWorker:
                 "error": stats.error,
                 "prompt_tokens": stats.prompt_tokens,
                 "completion_tokens": stats.completion_tokens,
+                "prefilled_prompt_tokens": stats.prefilled_prompt_tokens,
+                "cached_prompt_tokens": stats.cached_prompt_tokens,
                 "finish_reasons": dict(stats.finish_reasons),
                 "engine_restarts": self.engine.restarts - restarts,
             }

@@ -138,3 +138,14 @@ def test_a_job_gives_the_same_texts_with_caching_on_and_off(tiny_model_dir, tmp_
     on, off = frames[True], frames[False]
     assert on["text"].to_list() == off["text"].to_list()
     assert on["id"].to_list() == off["id"].to_list() and len(on) == 28
+
+
+def test_blocks_run_elsewhere_count_their_cached_prompt_tokens():
+    """A Ray worker's block reaches the driver's progress line with its cache hits."""
+    from batchgen.stats import RunStats
+
+    stats = RunStats(rows_total=4, n=1)
+    stats.record_block(4, 4, 0, 400, 40, {"length": 4}, 400, 300)
+    snapshot = stats.snapshot()
+    assert snapshot["cached_prompt_tokens"] == 300
+    assert snapshot["prefix_cache_hit_rate"] == 0.75
