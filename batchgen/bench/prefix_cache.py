@@ -1,5 +1,6 @@
 """`batchgen bench prefix-cache`: prompt tokens computed and end-to-end time with the engine's
-prefix cache on and off, on three jobs:
+prefix cache on and off, on three jobs (batchgen/bench/prefix_workloads.py, which vLLM's
+side, scripts/vllm_prefix_cache.py, runs too):
 
 - shared: `--rows` rows of one `--prefix-tokens` prefix followed by `--suffix-tokens`
   distinct tokens each (issue 26: 1,000 x 2,000 + 50);
@@ -23,52 +24,16 @@ Writes $BATCHGEN_BENCH_DIR/<name>.json (default data/benchmarks/).
 
 from __future__ import annotations
 
-import random
 import time
 
 import click
 
 from batchgen.bench.common import write_result
-
-JOBS = ("shared", "n", "distinct")
+from batchgen.bench.prefix_workloads import JOBS, distinct_prompt_tokens, job_prompts
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def distinct_prompt_tokens(prompts: list[list[int]]) -> int:
-    """Nodes of the prompts' token trie: each distinct (prefix, next token) counted once."""
-    total, previous = 0, []
-    for p in sorted(prompts):
-        shared = 0
-        for a, b in zip(previous, p):
-            if a != b:
-                break
-            shared += 1
-        total += len(p) - shared
-        previous = p
-    return total
-
-
-def job_prompts(
-    job: str, rows: int, prefix: int, suffix: int, n_prompts: int, n: int, vocab: int, seed: int
-) -> list[list[int]]:
-    """The job's prompts, one per request, in the order they are fed (an n > 1 prompt's
-    requests next to each other, as batchgen's request feed gives them)."""
-    rng = random.Random(seed)
-
-    def tokens(k: int) -> list[int]:
-        return [rng.randrange(10, vocab - 10) for _ in range(k)]
-
-    if job == "shared":
-        head = tokens(prefix)
-        return [head + tokens(suffix) for _ in range(rows)]
-    if job == "n":
-        return [p for p in (tokens(prefix + suffix) for _ in range(n_prompts)) for _ in range(n)]
-    if job == "distinct":
-        return [tokens(prefix + suffix) for _ in range(rows)]
-    raise click.BadParameter(f"unknown job {job!r}; use {', '.join(JOBS)}")
 
 
 class PrefillCounter:

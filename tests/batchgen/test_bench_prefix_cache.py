@@ -10,7 +10,8 @@ import sys
 
 from click.testing import CliRunner
 
-from batchgen.bench.prefix_cache import command, distinct_prompt_tokens
+from batchgen.bench.prefix_cache import command
+from batchgen.bench.prefix_workloads import distinct_prompt_tokens
 
 
 def test_distinct_prompt_tokens_counts_the_token_trie():
