@@ -95,7 +95,10 @@ def measure(
     new_tokens: int,
     engine_options: dict,
     warmup: bool = True,
+    on_job=None,
 ) -> dict:
+    """The payload; `on_job(payload so far)` after each job (the bench writes its JSON
+    then, so a run cut short keeps the jobs it finished)."""
     from engine import LLM
 
     llm = LLM(model, **engine_options)
@@ -106,6 +109,21 @@ def measure(
     if warmup:  # first calls compile kernels / numba functions: outside every timing
         run_job(llm, job_prompts("distinct", 4, 64, 8, 1, 1, vocab, 99), 4, True, counter)
     results = []
+    payload = {
+        "model": model,
+        "engine": {k: str(v) for k, v in engine_options.items()},
+        "block_size": llm.engine.runner.block_size,
+        "num_blocks": llm.engine.runner.num_blocks,
+        "shape": {
+            "rows": rows,
+            "prefix_tokens": prefix,
+            "suffix_tokens": suffix,
+            "n_prompts": n_prompts,
+            "n": n,
+            "new_tokens": new_tokens,
+        },
+        "results": results,
+    }
     for job in jobs:
         prompts = job_prompts(job, rows, prefix, suffix, n_prompts, n, vocab, seed=1)
         distinct = distinct_prompt_tokens(prompts)
@@ -132,21 +150,9 @@ def measure(
                 "same_tokens": same,
             }
         )
-    return {
-        "model": model,
-        "engine": {k: str(v) for k, v in engine_options.items()},
-        "block_size": llm.engine.runner.block_size,
-        "num_blocks": llm.engine.runner.num_blocks,
-        "shape": {
-            "rows": rows,
-            "prefix_tokens": prefix,
-            "suffix_tokens": suffix,
-            "n_prompts": n_prompts,
-            "n": n,
-            "new_tokens": new_tokens,
-        },
-        "results": results,
-    }
+        if on_job is not None:
+            on_job(payload)
+    return payload
 
 
 def print_table(payload: dict) -> None:
@@ -202,15 +208,18 @@ def command(
     for job in wanted:
         if job not in JOBS:
             raise click.BadParameter(f"unknown job {job!r}; use {', '.join(JOBS)}")
-    payload = measure(
-        model, wanted, rows, prefix_tokens, suffix_tokens, n_prompts, n, new_tokens, options
-    )
-    print_table(payload)
     import torch
 
     default = f"prefix-cache-{'cuda' if torch.cuda.is_available() and device != 'cpu' else 'cpu'}"
-    path = write_result(name or default, payload)
-    log(f"wrote {path}")
+
+    def save(payload: dict) -> None:
+        log(f"wrote {write_result(name or default, payload)}")
+
+    payload = measure(
+        model, wanted, rows, prefix_tokens, suffix_tokens, n_prompts, n, new_tokens, options,
+        on_job=save,
+    )  # fmt: skip
+    print_table(payload)
 
 
 if __name__ == "__main__":
