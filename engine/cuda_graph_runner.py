@@ -25,6 +25,14 @@ still pending names the previous step's row to take it from (SRC_ROWS); the grap
 on the device. The host staging buffers are double-buffered so that filling step n+1 cannot
 overwrite step n's inputs before their copy has run.
 
+Structured output (engine/structured_output/): a grammar's mask is a static input too, and
+the mask kernel runs between the logits and the sampler. The host builds a mask from the
+sequence's tokens, so a step with a constrained row replays two graphs of its bucket: the
+forward (every other input chained as above), then, once the host has the previous step's
+tokens and has filled and copied the masks, the mask and sampler over the logits the
+forward left in a static buffer. The GPU runs the forward during the host's wait and mask
+fill. Steps without a grammar replay the one graph.
+
 The graph runner knows the model only as the function it captures (`step_logits`: input
 ids, positions and attention context to float32 logits) and the cache only as its geometry
 and scratch block; the model runner builds it and decides when a step replays.
@@ -118,6 +126,8 @@ class DecodeInputs:
         self._ints, self._floats = self.host_ints.numpy(), self.host_floats.numpy()
         self._tables = self.host_tables.numpy()
         self._set = 0  # which staging set the next fill writes
+        # the staging set and row count of the last fill (fill_masks writes that set too)
+        self._filled, self._filled_rows = 0, 0
         # Grammar masks (engine/structured_output/): a row's bitmask words and whether it
         # is constrained; a free row is skipped by the mask kernel after reading its flag.
         words = -(-vocab_size // 32)
@@ -127,17 +137,23 @@ class DecodeInputs:
         self.constrained = torch.zeros(max_batch, dtype=torch.int32, device=device)
 
     def fill(
-        self, seqs: list[Sequence], bucket: int, pending_rows: dict[int, int] | None = None
+        self,
+        seqs: list[Sequence],
+        bucket: int,
+        pending_rows: dict[int, int] | None = None,
+        masks: bool = True,
     ) -> None:
         """Rows 0..len(seqs)-1 from the sequences (each decoding its last token), rows up to
         `bucket` padding on the scratch block; then copy to the device buffers. A sequence
         whose last token is PENDING_TOKEN takes it from row pending_rows[seq_id] of the
-        previous step's `sampled` tokens."""
+        previous step's `sampled` tokens. Without `masks` the grammar masks are left to a
+        `fill_masks` call after (a split step fills them while its forward runs)."""
         n = len(seqs)
         if n > bucket or bucket > self.max_batch:
             raise ValueError(f"{n} sequences do not fit bucket {bucket} (max {self.max_batch})")
         k = self._set
         self._set ^= 1
+        self._filled, self._filled_rows = k, n
         ints, floats, tables = self._ints[k], self._floats[k], self._tables[k]
         bs = self.block_size
         for i, seq in enumerate(seqs):
@@ -183,10 +199,25 @@ class DecodeInputs:
         self.ints.copy_(self.host_ints[k], non_blocking=True)
         self.floats.copy_(self.host_floats[k], non_blocking=True)
         self.tables[:bucket].copy_(self.host_tables[k, :bucket], non_blocking=True)
+        if masks:
+            self.fill_masks(seqs)
+
+    def fill_masks(self, seqs: list[Sequence]) -> None:
+        """The grammar masks and constrained flags of the rows the last `fill` wrote, into
+        its staging set, then copied. A grammar reads its sequence's tokens on the host, so
+        a constrained sequence's last token may not be pending."""
+        k, n = self._filled, len(seqs)
+        if n != self._filled_rows:
+            raise ValueError(f"masks for {n} rows after a fill of {self._filled_rows}")
         flags = self.host_constrained[k]
         flags.zero_()
         if any(seq.grammar is not None for seq in seqs):
-            # the grammars need this step's input tokens: none of them may be pending
+            for seq in seqs:
+                if seq.grammar is not None and seq.token_ids[-1] == PENDING_TOKEN:
+                    raise ValueError(
+                        f"sequence {seq.seq_id}: its grammar needs its last token on the host, "
+                        "which is still pending (write the previous step's tokens first)"
+                    )
             constrained = fill_grammar_bitmask(seqs, self.host_bitmask[k, :n])
             flags[:n] = torch.tensor(constrained, dtype=torch.int32)
             self.bitmask[:n].copy_(self.host_bitmask[k, :n], non_blocking=True)
@@ -278,6 +309,18 @@ class CudaGraphRunner:
         # the graph and its (sampled logprob [B], top logprobs [B, K], top ids [B, K]).
         self.logprob_graphs: dict[int, torch.cuda.CUDAGraph] = {}
         self.logprob_outputs: dict[int, tuple[torch.Tensor, ...]] = {}
+        # A step with a grammar runs as two graphs so that the host fills the masks while
+        # the forward runs (`launch`): by bucket the forward (into `split_logits`), by
+        # (bucket, logprobs) the mask and sampler and their outputs, as the one-graph
+        # step's. Captured on the first constrained step of a bucket: a run without
+        # grammars never pays for them.
+        self.forward_graphs: dict[int, torch.cuda.CUDAGraph] = {}
+        self.sample_graphs: dict[tuple[int, bool], torch.cuda.CUDAGraph] = {}
+        self.sample_outputs: dict[tuple[int, bool], torch.Tensor | tuple[torch.Tensor, ...]] = {}
+        # float32 logits [largest bucket, V] the forward graphs leave for the sample graphs:
+        # one buffer outside the pool for every bucket (logits kept alive in the pool
+        # would take a bucket's worth per captured bucket)
+        self.split_logits: torch.Tensor | None = None
         self._pool = None
         self._host_logprobs = torch.zeros(
             2, self.buckets[-1], 1 + 2 * MAX_TOP_LOGPROBS, dtype=torch.float64, pin_memory=True
@@ -299,12 +342,30 @@ class CudaGraphRunner:
         int64, also left in the shared `sampled` buffer for the next step's pending inputs.
         With `logprobs`, (tokens, logprobs [bucket, 1 + 2K] float64: the sampled token's
         raw logprob, the top K logprobs, the top K ids), read from the unmasked logits."""
+        return self._sample(bucket, self._forward(bucket), logprobs)
+
+    def _forward(self, bucket: int) -> torch.Tensor:
+        """The model's forward and logits over the static inputs -> [bucket, V] float32."""
+        buf = self.inputs
+        ctx = buf.context(bucket, self.max_model_len)
+        return self._step_logits(buf.input_ids(bucket), buf.ints[POSITIONS, :bucket], ctx)
+
+    def _forward_to_buffer(self, bucket: int) -> None:
+        """The split step's first graph: the logits left in `split_logits`."""
+        logits = self._forward(bucket)  # [B, V] float32
+        if self.split_logits is None:  # on the eager warm-up, never inside a capture
+            self.split_logits = torch.zeros(
+                self.buckets[-1], logits.shape[1], dtype=logits.dtype, device=self.device
+            )
+        self.split_logits[:bucket].copy_(logits)
+
+    def _sample(self, bucket: int, logits: torch.Tensor, logprobs: bool):
+        """Logprobs (with `logprobs`), grammar mask (in place) and sampling over logits
+        [bucket, V]; what `_step` returns."""
         from kernels.triton.sampling import sample
         from kernels.triton.token_mask import apply_token_bitmask
 
         buf = self.inputs
-        ctx = buf.context(bucket, self.max_model_len)
-        logits = self._step_logits(buf.input_ids(bucket), buf.ints[POSITIONS, :bucket], ctx)
         if logprobs:
             raw = torch.log_softmax(logits.float(), dim=-1)  # [B, V], before the mask
             top_values, top_ids = torch.topk(raw, MAX_TOP_LOGPROBS, dim=-1)  # [B, K]
@@ -337,6 +398,13 @@ class CudaGraphRunner:
         for bucket in chosen:  # released before capturing again
             self.graphs.pop(bucket, None)
             self.tokens.pop(bucket, None)
+            # the lazily captured ones are captured again when a step next needs them
+            self.logprob_graphs.pop(bucket, None)
+            self.logprob_outputs.pop(bucket, None)
+            self.forward_graphs.pop(bucket, None)
+            for key in [(bucket, False), (bucket, True)]:
+                self.sample_graphs.pop(key, None)
+                self.sample_outputs.pop(key, None)
         torch.cuda.synchronize(self.device)
         self._capture(chosen)
 
@@ -347,17 +415,12 @@ class CudaGraphRunner:
         reserved = torch.cuda.memory_reserved(self.device)
         self.inputs.fill([], self.buckets[-1])  # every row padding: valid, harmless inputs
         pool = None
-        # CudaTuning.main_stream_first: the kernels captured on the high-priority stream
-        # keep its priority, those on the shared expert's side stream the default; only
-        # buckets up to MAIN_STREAM_FIRST_MAX_BATCH use it
         device = self.device
-        first, equal = self._first, self._equal
         for bucket in reversed(buckets):  # largest first: later graphs reuse its pool
             self._step(bucket)  # eager once: compiles the kernels for these shapes
             torch.cuda.synchronize(device)
             graph = torch.cuda.CUDAGraph()
-            prioritized = self.main_stream_first and bucket <= MAIN_STREAM_FIRST_MAX_BATCH
-            with torch.cuda.graph(graph, pool=pool, stream=first if prioritized else equal):
+            with torch.cuda.graph(graph, pool=pool, stream=self._stream_for(bucket)):
                 self.tokens[bucket] = self._step(bucket)
             pool = graph.pool()
             self.graphs[bucket] = graph
@@ -374,51 +437,108 @@ class CudaGraphRunner:
             self.pool_bytes / 2**30,
         )
 
+    def _stream_for(self, bucket: int) -> torch.cuda.Stream:
+        """The stream a bucket's graphs are captured on. CudaTuning.main_stream_first: the
+        kernels captured on the high-priority stream keep its priority, those on the shared
+        expert's side stream the default; only buckets up to MAIN_STREAM_FIRST_MAX_BATCH
+        use it."""
+        prioritized = self.main_stream_first and bucket <= MAIN_STREAM_FIRST_MAX_BATCH
+        return self._first if prioritized else self._equal
+
     @torch.inference_mode()
-    def _capture_logprobs(self, bucket: int) -> None:
-        """The bucket's graph that also returns logprobs, on padding inputs (the caller
-        fills the real ones after)."""
+    def _capture_lazily(
+        self, bucket: int, work: Callable[[], object]
+    ) -> tuple[torch.cuda.CUDAGraph, object]:
+        """A graph of `work` for `bucket` in the pool, on padding inputs (the caller fills
+        the real ones after); returns (graph, what work returned). The step being launched
+        may gather its inputs from the previous step's `sampled` rows, which the eager
+        warm-up overwrites: they are put back."""
         torch.cuda.synchronize(self.device)  # the staging sets may still be copying
+        sampled = self.inputs.sampled.clone()
         self.inputs.fill([], bucket)
-        self._step(bucket, logprobs=True)  # eager once, as in _capture
+        work()  # eager once, as in _capture
         torch.cuda.synchronize(self.device)
         graph = torch.cuda.CUDAGraph()
-        prioritized = self.main_stream_first and bucket <= MAIN_STREAM_FIRST_MAX_BATCH
-        stream = self._first if prioritized else self._equal
-        with torch.cuda.graph(graph, pool=self._pool, stream=stream):
-            self.logprob_outputs[bucket] = self._step(bucket, logprobs=True)
+        with torch.cuda.graph(graph, pool=self._pool, stream=self._stream_for(bucket)):
+            out = work()
         torch.cuda.synchronize(self.device)
-        self.logprob_graphs[bucket] = graph
+        self.inputs.sampled.copy_(sampled)
+        return graph, out
+
+    def _capture_logprobs(self, bucket: int) -> None:
+        """The bucket's one-graph step that also returns logprobs."""
+        graph, out = self._capture_lazily(bucket, lambda: self._step(bucket, logprobs=True))
+        self.logprob_graphs[bucket], self.logprob_outputs[bucket] = graph, out
+
+    def _capture_split(self, bucket: int, logprobs: bool) -> None:
+        """The bucket's split step: its forward graph, then the sample graph over the
+        logits it leaves (with or without logprobs), whichever is missing. The forward's
+        eager warm-up fills `split_logits` before the sample graph's reads them."""
+        if bucket not in self.forward_graphs:
+            graph, _ = self._capture_lazily(bucket, lambda: self._forward_to_buffer(bucket))
+            self.forward_graphs[bucket] = graph
+        key = (bucket, logprobs)
+        if key not in self.sample_graphs:
+            logits = self.split_logits[:bucket]
+            graph, out = self._capture_lazily(
+                bucket, lambda: self._sample(bucket, logits, logprobs)
+            )
+            self.sample_graphs[key], self.sample_outputs[key] = graph, out
 
     def fits(self, num_seqs: int) -> bool:
         """Whether a captured bucket holds a decode step of num_seqs (> 0) sequences."""
         return num_seqs > 0 and bucket_for(num_seqs, self.buckets) is not None
 
     def launch(
-        self, seqs: list[Sequence], pending_rows: dict[int, int] | None = None
+        self,
+        seqs: list[Sequence],
+        pending_rows: dict[int, int] | None = None,
+        before_mask: Callable[[], None] | None = None,
     ) -> Callable[[], list[int]]:
-        """Fill the inputs, replay the graph and start copying its tokens (and the logprobs
+        """Fill the inputs, replay the step and start copying its tokens (and the logprobs
         its rows ask for) to the host; no sync. Returns a function that waits for them,
-        records the logprobs on the sequences and gives the tokens as a list."""
+        records the logprobs on the sequences and gives the tokens as a list.
+
+        A step with a grammar replays the split graphs: the forward first, then, while it
+        runs, `before_mask` (the model runner's wait for the previous step's tokens, which
+        the grammars read) and the masks on the host, then the mask and sampler. A step
+        without one never calls `before_mask`. Both paths run the same kernels on the same
+        inputs, so a row's tokens do not depend on which one ran."""
         n = len(seqs)
         bucket = bucket_for(n, self.buckets)
         if bucket is None:
             raise ValueError(f"{n} sequences are more than the largest graph ({self.buckets[-1]})")
         wants = [(i, seq, seq.num_output_tokens) for i, seq in enumerate(seqs)
                  if seq.params.logprobs is not None]  # fmt: skip
-        if wants and bucket not in self.logprob_graphs:
+        split = any(seq.grammar is not None for seq in seqs)
+        if split and (bucket, bool(wants)) not in self.sample_graphs:
+            self._capture_split(bucket, bool(wants))
+        elif not split and wants and bucket not in self.logprob_graphs:
             self._capture_logprobs(bucket)
-        self.inputs.fill(seqs, bucket, pending_rows)
         host = self._host_tokens[self._host_set, :n]
         host_logprobs = self._host_logprobs[self._host_set, :n]
         self._host_set ^= 1  # the next launch may run before this one is read
-        if wants:
+        if split:
+            self.inputs.fill(seqs, bucket, pending_rows, masks=False)
+            self.forward_graphs[bucket].replay()
+            if before_mask is not None:
+                before_mask()
+            self.inputs.fill_masks(seqs)
+            self.sample_graphs[bucket, bool(wants)].replay()
+            out = self.sample_outputs[bucket, bool(wants)]
+        elif wants:
+            self.inputs.fill(seqs, bucket, pending_rows)
             self.logprob_graphs[bucket].replay()
-            tokens, block = self.logprob_outputs[bucket]
+            out = self.logprob_outputs[bucket]
+        else:
+            self.inputs.fill(seqs, bucket, pending_rows)
+            self.graphs[bucket].replay()
+            out = self.tokens[bucket]
+        if wants:
+            tokens, block = out
             host_logprobs.copy_(block[:n], non_blocking=True)
         else:
-            self.graphs[bucket].replay()
-            tokens = self.tokens[bucket]
+            tokens = out
         host.copy_(tokens[:n], non_blocking=True)
         done = torch.cuda.Event()
         done.record()

@@ -371,14 +371,21 @@ class ModelRunner:
         yet; its pending tokens are this step's inputs."""
         seqs = batch.seqs
         on_graph = self._replays(seqs)
-        # A grammar's mask for this step needs the previous step's tokens on the host.
-        constrained = any(s.grammar is not None for s in seqs)
-        chained = previous is not None and previous.device_rows and on_graph and not constrained
+        # chained: a graph step gathers its pending inputs from the previous step's rows on
+        # the device; any other step reads them on the host
+        chained = previous is not None and previous.device_rows and on_graph
         if previous is not None and not chained:
-            previous.write_tokens()  # this step reads its inputs on the host
+            previous.write_tokens()
         positions = [len(s) for s in seqs]
         if on_graph:
-            read = self.graphs.launch(seqs, previous.row_of() if chained else None)
+            # constrained: a grammar's mask needs the previous step's tokens on the host; the
+            # graph runner writes them (before_mask) once the forward is replaying, so the
+            # wait and the mask fill overlap it. A step without a grammar never waits.
+            read = self.graphs.launch(
+                seqs,
+                previous.row_of() if chained else None,
+                before_mask=previous.write_tokens if chained else None,
+            )
             pending = PendingStep(seqs, positions, read, device_rows=True)
         else:
             new = self._run_eager(batch)

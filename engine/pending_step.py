@@ -10,7 +10,8 @@ resolves it one launch later, writing the real tokens in place of the placeholde
 The next step's input for a sequence whose last token is still pending is that token on the
 device: a CUDA-graph step reads it from the previous step's sampled tokens by row
 (`device_rows`); any other step first writes the previous step's tokens on the host
-(`write_tokens`, which waits for them).
+(`write_tokens`, which waits for them). A graph step with a grammar does both: its forward
+gathers the tokens on the device, and its mask waits for them on the host.
 """
 
 from __future__ import annotations

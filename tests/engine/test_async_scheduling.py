@@ -231,3 +231,53 @@ def test_turning_async_off_mid_run_resolves_at_the_next_step(tiny_llama):
     want = ref.generate(PROMPTS[:3], params)
     got = {o.request_id: o.outputs[0].token_ids for o in outs}
     assert [got[f"r{i}"] for i in range(3)] == [o.outputs[0].token_ids for o in want]
+
+
+class _RecordingGraphs:
+    """Stands in for the CUDA graph runner: every step fits, and each launch records
+    which previous-step rows it was told to gather and what it calls before the masks."""
+
+    def __init__(self) -> None:
+        self.calls: list[tuple[dict[int, int] | None, object]] = []
+
+    def fits(self, num_seqs: int) -> bool:
+        return True
+
+    def launch(self, seqs, pending_rows=None, before_mask=None):
+        self.calls.append((pending_rows, before_mask))
+        return lambda: [7] * len(seqs)
+
+
+def test_a_graph_step_chains_on_the_device_and_leaves_the_wait_to_the_mask(tiny_llama):
+    """Behind a graph step, the next graph step gets the previous rows to gather and the
+    previous step's write as `before_mask` (a constrained step waits there, after its
+    forward), with the previous tokens still pending; behind an eager step, the tokens
+    are written first and nothing is chained."""
+    from engine.pending_step import PendingStep
+    from engine.scheduler import ScheduledBatch
+    from engine.sequence import Sequence
+
+    runner = LLM(str(tiny_llama), dtype="float32").engine.runner
+    runner.graphs = graphs = _RecordingGraphs()
+    params = SamplingParams(temperature=0, max_tokens=8)
+    seqs = [Sequence(f"r{i}", 0, [3, 4, 5 + i], params, None) for i in range(2)]
+    for seq in seqs:
+        seq.token_ids.append(PENDING_TOKEN)  # sampled by the previous step
+        seq.block_table, seq.num_computed = [0, 1], len(seq) - 1
+    batch = ScheduledBatch(seqs, [1, 1])
+
+    on_device = PendingStep(seqs, [3, 3], lambda: [21, 22], device_rows=True)
+    runner.launch(batch, on_device)
+    rows, before_mask = graphs.calls[-1]
+    assert rows == {seqs[0].seq_id: 0, seqs[1].seq_id: 1}
+    assert before_mask == on_device.write_tokens
+    assert [s.token_ids[3] for s in seqs] == [PENDING_TOKEN] * 2  # not waited for yet
+    before_mask()
+    assert [s.token_ids[3] for s in seqs] == [21, 22]
+
+    for seq in seqs:
+        seq.num_computed = len(seq) - 1
+    on_host = PendingStep(seqs, [4, 4], lambda: [31, 32])  # an eager step's tokens
+    runner.launch(batch, on_host)
+    assert graphs.calls[-1] == (None, None)
+    assert [s.token_ids[4] for s in seqs] == [31, 32]  # written before the launch

@@ -329,3 +329,41 @@ def test_decode_graph_inputs_carry_the_grammar_mask(llm):
     assert int(allowed.sum()) < vocab
     inputs.fill([free], 2)  # a later step without grammars clears the flags
     assert inputs.constrained.tolist() == [0, 0, 0, 0]
+
+
+def test_split_step_fills_the_masks_after_the_other_inputs(llm):
+    """A constrained step's inputs in two parts (the split graphs): `fill` without masks
+    leaves the mask buffers alone, `fill_masks` then writes the rows of that fill, and
+    refuses a constrained row whose last token is still pending or another row count."""
+    from engine.cuda_graph_runner import INPUT_IDS, SRC_ROWS, DecodeInputs
+    from engine.sequence import PENDING_TOKEN, Sequence
+    from engine.structured_output.matcher import SequenceGrammar
+    from kernels.reference.token_mask import unpack_bitmask
+
+    engine = llm.engine
+    vocab = engine.runner.vocab_size
+    spec = grammar_spec({"type": "choice", "choice": CHOICES})
+    inputs = DecodeInputs(4, 3, 4, 9, torch.device("cpu"), vocab_size=vocab)
+    constrained = Sequence("a", 0, [5, 6, 7], _params({"type": "choice", "choice": CHOICES}), 1)
+    constrained.grammar = SequenceGrammar(engine.grammars.compile(spec))
+    free = Sequence("b", 0, [8, 9], SamplingParams(temperature=0.0), None)
+    for seq in (constrained, free):
+        seq.token_ids.append(PENDING_TOKEN)  # the previous step's token, on the device
+        seq.block_table, seq.num_computed = [0], len(seq) - 1
+    first = engine.tokenizer.hf.encode(CHOICES[0], add_special_tokens=False)[0]
+    inputs.sampled[:2] = torch.tensor([40, first])
+    rows = {constrained.seq_id: 1, free.seq_id: 0}
+    inputs.fill([constrained, free], 4, pending_rows=rows, masks=False)
+    assert inputs.ints[SRC_ROWS, :2].tolist() == [1, 0]
+    assert inputs.input_ids(4)[:2].tolist() == [first, 40]
+    assert inputs.constrained.tolist() == [0, 0, 0, 0]  # not written yet
+    with pytest.raises(ValueError, match="pending"):
+        inputs.fill_masks([constrained, free])
+    constrained.token_ids[-1], free.token_ids[-1] = first, 40  # the previous step, written
+    with pytest.raises(ValueError, match="after a fill of 2"):
+        inputs.fill_masks([constrained])
+    inputs.fill_masks([constrained, free])
+    assert inputs.constrained.tolist() == [1, 0, 0, 0]
+    allowed = unpack_bitmask(inputs.bitmask[:1], vocab)[0]
+    assert 0 < int(allowed.sum()) < vocab
+    assert inputs.ints[INPUT_IDS, :2].tolist() == [0, 0]  # still gathered on the device
