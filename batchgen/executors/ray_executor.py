@@ -29,7 +29,7 @@ import time
 from contextlib import contextmanager
 from pathlib import Path
 
-from batchgen.executors.blocks import InputBlock, plan_blocks
+from batchgen.executors.blocks import SEQ_COLUMN, InputBlock, plan_blocks
 from batchgen.executors.ray_worker import BlockWorker, WorkerLabels
 from batchgen.executors.staging import commit_staged, set_aside, set_aside_unrecorded
 from batchgen.job_context import JobContext, open_job
@@ -87,6 +87,11 @@ def run_job_on_ray(
         raise JobError(
             f"input.format: {ctx.format} request files run on the local executor only; the "
             "Ray executor reads Parquet input by row groups"
+        )
+    if SEQ_COLUMN in ctx.input.schema.names:
+        raise JobError(
+            f"input column '{SEQ_COLUMN}' in {ctx.input.files[0]}: the Ray executor uses that "
+            "name for each row's input position; rename the column"
         )
     stop = StopFlag()
     with RunLock(job.output.path), stop.installed(graceful=False):

@@ -236,3 +236,14 @@ def test_a_request_file_is_refused_on_ray_with_nothing_written(tiny_model_dir, t
     with pytest.raises(JobError, match="input.format: openai_batch request files run on the local"):
         run_job_on_ray(job, "job.yaml")
     assert not (tmp_path / "run").exists()
+
+
+def test_an_input_column_named_like_the_row_positions_is_refused(tiny_model_dir, tmp_path):
+    from batchgen.executors.blocks import SEQ_COLUMN
+    from batchgen.executors.ray_executor import run_job_on_ray
+
+    rows = int_id_rows(3, **{SEQ_COLUMN: lambda i: i})
+    path = job_file(tiny_model_dir, tmp_path, rows, tmp_path / "run", executor=RAY_EXECUTOR)
+    with pytest.raises(JobError, match=f"input column '{SEQ_COLUMN}' in .*in.parquet"):
+        run_job_on_ray(load_job(path), path)
+    assert not (tmp_path / "run").exists()
