@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 DEFAULT_MODEL = "smollm2-135m-instruct"
 # A job file is a few dozen keys; these bounds are orders of magnitude above any real one.
@@ -212,6 +212,19 @@ class BatchingSpec(_Section):
         True,
         description="rows sharing a prompt prefix compute it once (the same outputs either way)",
     )
+
+    @field_validator("cluster", mode="before")
+    @classmethod
+    def _yaml_off(cls, value):
+        # YAML 1.1 reads an unquoted `off` as false (and `on`, `yes` as true)
+        if value is False:
+            return "off"
+        if value is True:
+            raise ValueError(
+                "batching.cluster: true; write auto, off or a column name (YAML reads an "
+                "unquoted on or yes as true)"
+            )
+        return value
 
 
 class OutputSpec(_Section):

@@ -188,3 +188,21 @@ def test_oversized_or_binary_job_files_are_refused(tmp_path):
     binary.write_bytes(b"input: {path: \xff\xfe}\n")
     with pytest.raises(JobError, match="not UTF-8"):
         load_job(binary)
+
+
+def test_cluster_off_unquoted_in_yaml_reads_as_off_and_on_is_refused_by_name():
+    import yaml
+
+    from batchgen.job_spec import JobError, parse_job
+
+    def job(value: str) -> dict:
+        text = (
+            "input: {path: x.parquet}\nprompt: {template: 'x {{ text }}'}\nmodel: {path: m}\n"
+            f"output: {{path: out}}\nbatching: {{cluster: {value}}}\n"
+        )
+        return yaml.safe_load(text)
+
+    assert parse_job(job("off")).batching.cluster == "off"
+    assert parse_job(job('"off"')).batching.cluster == "off"
+    with pytest.raises(JobError, match="batching.cluster: true; write auto, off"):
+        parse_job(job("on"))
