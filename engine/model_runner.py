@@ -250,7 +250,13 @@ class ModelRunner:
             # a small model gets the megabytes it can use, not 2 GiB of zeros to write
             # (and to keep resident) on every start.
             paged = min(paged, self.config.max_num_seqs * blocks_per_seq * per_block)
-        num_blocks = int(paged // per_block)
+        if per_block == 0:
+            # No paged cache (every layer keeps its state in the sequence slots, as a
+            # DeepSeek-V4 model of sliding-window layers only): the block tables still
+            # address positions, at no memory, so every sequence may reach max_model_len.
+            num_blocks = self.config.max_num_seqs * blocks_per_seq + 1
+        else:
+            num_blocks = int(paged // per_block)
         if num_blocks < 2:
             raise ValueError(
                 f"kv_cache_memory of {budget} bytes holds fewer than 2 blocks of "

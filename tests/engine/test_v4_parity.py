@@ -191,3 +191,18 @@ def test_routing_statistics_cover_every_moe_layer():
     layers = recorder.summary()["all"]["layers"]
     assert sorted(layers) == [0, 1, 2, 3]
     assert all(1 < v["mean_distinct_experts"] <= 8 for v in layers.values())
+
+
+def test_a_model_of_sliding_layers_only_runs_without_a_paged_cache():
+    """Layer 0 is sliding-window only (compress ratio 0): its K/V live in each sequence's
+    ring, so the engine has no paged cache to size; it still runs every sequence to
+    max_model_len, and a row's tokens are the same alone and batched."""
+    from engine import LLM, SamplingParams
+
+    llm = LLM("random:tiny?arch=deepseek_v4&layers=1&mtp=0", device="cpu", max_num_seqs=4)
+    assert llm.engine.runner.model.cache_specs() == []
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    alone = llm.generate([PROMPTS[0]], params)[0].outputs[0].token_ids
+    batched = llm.generate(PROMPTS, params)
+    assert batched[0].outputs[0].token_ids == alone
+    assert all(len(o.outputs[0].token_ids) == 6 for o in batched)
