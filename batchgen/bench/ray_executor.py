@@ -152,5 +152,5 @@ def command(workers: str, **args) -> None:
             f"{r['executor']:<10} {r.get('num_workers', '-'):>7} {r['rows']:>6} {r['wall_s']:>8} "
             f"{r['rows_per_s']:>8} {r['steady_rows_per_s'] or '-':>8}"
         )
-    path = write_result("ray_executor_gpu" if args["gpu"] else "ray_executor_cpu", payload)
+    path = write_result("ray-executor-gpu" if args["gpu"] else "ray-executor-cpu", payload)
     click.echo(f"wrote {path}")
