@@ -64,18 +64,31 @@ def decode_context(
 def draw_tokens(
     logits: torch.Tensor,
     temperatures: torch.Tensor | None,
-    generator: torch.Generator | None = None,
+    generators: list[torch.Generator | None] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """logits [B, V] -> (tokens [B], probs [B, V]): argmax with a one-hot distribution where
-    the temperature is 0 (or temperatures is None), else a sample from softmax(l / t)."""
+    the temperature is 0 (or temperatures is None), else a sample from softmax(l / t).
+
+    Row i's draw comes from generators[i] alone (its sequence's own), so its drafts do not
+    depend on the other rows of the batch; a row whose generator is None takes the argmax,
+    and its distribution is that one-hot (the caller drops such rows' drafts). Without
+    `generators`, every sampled row draws from the global generator."""
     greedy = logits.argmax(dim=-1)
     one_hot = torch.nn.functional.one_hot(greedy, logits.shape[-1]).float()
     if temperatures is None:
         return greedy, one_hot
     t = temperatures.float().clamp(min=1e-6)[:, None]
     probs = torch.softmax(logits.float() / t, dim=-1)
-    sampled = torch.multinomial(probs, 1, generator=generator)[:, 0]
     is_greedy = temperatures <= 0
+    if generators is None:
+        sampled = torch.multinomial(probs, 1)[:, 0]
+    else:
+        sampled = greedy.clone()
+        undrawn = [g is None for g in generators]
+        for i, (generator, temp) in enumerate(zip(generators, temperatures.tolist())):
+            if generator is not None and temp > 0:
+                sampled[i] = torch.multinomial(probs[i : i + 1], 1, generator=generator)[0, 0]
+        is_greedy = is_greedy | torch.tensor(undrawn, device=logits.device)
     return (
         torch.where(is_greedy, greedy, sampled),
         torch.where(is_greedy[:, None], one_hot, probs),
@@ -102,23 +115,24 @@ class MtpDrafter:
         positions: torch.Tensor,
         ctx: AttentionContext,
         temperatures: torch.Tensor | None = None,
-        generator: torch.Generator | None = None,
+        generators: list[torch.Generator | None] | None = None,
     ) -> DraftProposal:
         """target_hidden [T, ...] (the target forward's output rows: [T, D] for V3, the
         final streams [T, C, D] for V4), next_ids [T] (the token after each row), positions
-        [T] and ctx of those rows. Returns K drafts per sequence."""
+        [T] and ctx of those rows; `generators`: draw_tokens'. Returns K drafts per
+        sequence."""
         model, depths = self.model, self.model.num_mtp_layers
         hidden = model.mtp_forward(target_hidden, next_ids, positions, ctx, depth=0)  # [T, ...]
         last = (ctx.cu_query_lens[1:] - 1).long()  # [B]
         hidden = hidden[last]  # [B, ...]
         pos = positions[last]
-        token, probs = draw_tokens(model.mtp_logits(hidden, 0), temperatures, generator)
+        token, probs = draw_tokens(model.mtp_logits(hidden, 0), temperatures, generators)
         tokens, dists = [token], [probs]
         for k in range(1, self.num_draft_tokens):
             depth = min(k, depths - 1)
             step_ctx = decode_context(ctx.block_tables, pos + k, ctx.block_size, ctx)
             hidden = model.mtp_forward(hidden, tokens[-1], pos + k, step_ctx, depth=depth)
-            token, probs = draw_tokens(model.mtp_logits(hidden, depth), temperatures, generator)
+            token, probs = draw_tokens(model.mtp_logits(hidden, depth), temperatures, generators)
             tokens.append(token)
             dists.append(probs)
         return DraftProposal(torch.stack(tokens, dim=1), torch.stack(dists, dim=1))

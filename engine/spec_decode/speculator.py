@@ -177,17 +177,26 @@ class MtpSpeculator:
         _, positions, ctx = self.build_inputs(items)
         rows = torch.tensor(valid_rows, device=hidden.device)
         temps = torch.tensor([s.params.temperature for s, _, _ in items], device=hidden.device)
+        # No drafts while min_tokens bans EOS/stop ids: verification (greedy_accept,
+        # rejection_sample) does not apply the ban, so a drafted EOS could be accepted.
+        keeps = [seq.seq_id in emitted and not self.banned_tokens(seq) for seq, _, _ in items]
+        # Only sequences that keep their drafts draw, each from its own generator: how often
+        # a sequence is in a proposal (a prompt chunk that emits nothing is too) depends on
+        # its neighbours, and its draws must not.
+        generators = [
+            seq.generator(hidden.device) if keep else None
+            for (seq, _, _), keep in zip(items, keeps)
+        ]
         proposal = self.drafter.propose(
             hidden[rows],
             torch.tensor(next_ids, device=hidden.device),
             positions,
             ctx,
             temperatures=None if bool((temps == 0).all()) else temps,
+            generators=generators,
         )
-        for b, (seq, _, _) in enumerate(items):
-            # No drafts while min_tokens bans EOS/stop ids: verification (greedy_accept,
-            # rejection_sample) does not apply the ban, so a drafted EOS could be accepted.
-            if seq.seq_id not in emitted or self.banned_tokens(seq):
+        for b, ((seq, _, _), keep) in enumerate(zip(items, keeps)):
+            if not keep:
                 continue
             new = len(emitted[seq.seq_id])
             room = self.max_model_len - 1 - (len(seq) + new)

@@ -48,7 +48,7 @@ def speculative_generate(model, prompts, K, max_new, temperature=0.0, seed=0, or
     for b in range(B):
         out[b].append(first[b])
     next_ids = torch.tensor([t for b, p in enumerate(prompts) for t in p[1:] + [first[b]]])
-    drafts = drafter.propose(hidden, next_ids, pos, ctx, temps, gen)
+    drafts = drafter.propose(hidden, next_ids, pos, ctx, temps, [gen] * B)
     while min(len(o) for o in out) < max_new:
         # verify: rows [last emitted token, d1..dK] for each sequence at positions L..L+K
         ctx, pos = runner.context([(b, K + 1) for b in range(B)])
@@ -74,7 +74,9 @@ def speculative_generate(model, prompts, K, max_new, temperature=0.0, seed=0, or
             items.append((b, start, n[b] + 1))
         ctx = runner.context_at(items)
         keep = torch.tensor(keep_rows)
-        drafts = drafter.propose(hidden[keep], torch.tensor(next_ids), pos[keep], ctx, temps, gen)
+        drafts = drafter.propose(
+            hidden[keep], torch.tensor(next_ids), pos[keep], ctx, temps, [gen] * B
+        )
     return [o[:max_new] for o in out], stats
 
 

@@ -65,3 +65,27 @@ def test_sampled_token_distribution_is_unchanged_by_mtp(tiny_deepseek):
     tv = 0.5 * (plain - spec).abs().sum(-1)  # per position
     assert tv[0] == 0  # the first token never goes through a draft: same seeds, same token
     assert tv[1] < 0.12 and tv[2] < 0.12, f"total variation {tv.tolist()}"
+
+
+def test_a_seeded_sampled_row_is_the_same_alone_and_in_any_batch_with_mtp(tiny_deepseek):
+    """Draft draws come from each sequence's own generator, and only where the sequence
+    keeps its drafts: a prompt chunked differently beside other rows (a small token budget)
+    proposes a different number of times, which must not move its draws."""
+    llm = LLM(
+        str(tiny_deepseek),
+        dtype="float32",
+        speculative_tokens=2,
+        max_num_batched_tokens=24,
+        block_size=4,
+        seed=5,
+    )
+
+    def params(seed):
+        return SamplingParams(temperature=0.9, max_tokens=14, ignore_eos=True, seed=seed)
+
+    alone = [llm.generate([p], params(70 + i))[0].outputs[0].token_ids
+             for i, p in enumerate(PROMPTS)]  # fmt: skip
+    together = llm.generate(PROMPTS, [params(70 + i) for i in range(len(PROMPTS))])
+    assert [o.outputs[0].token_ids for o in together] == alone
+    reordered = llm.generate(PROMPTS[::-1], [params(70 + i) for i in range(len(PROMPTS))][::-1])
+    assert [o.outputs[0].token_ids for o in reordered][::-1] == alone
