@@ -98,6 +98,32 @@ def _attend_chunk(
 
 
 @triton.jit
+def merge_splits(part, lse_row, mask_h, active, stride_os,
+                 BLOCK_H: tl.constexpr, BLOCK_S: tl.constexpr, BLOCK_V: tl.constexpr,
+                 MERGE_UNROLL: tl.constexpr):  # fmt: skip
+    """out = sum_s exp(lse_s - LSE) o_s / sum_s exp(lse_s - LSE) over the `active` splits'
+    partials (`part` + s * stride_os, [BLOCK_H, BLOCK_V]) and log-sum-exps (`lse_row` + s).
+    Every split's log-sum-exp in one load, then the partials in a loop whose loads do not
+    depend on each other, unrolled so several are in flight. Active splits hold >= 1
+    token, so every lse is finite. .cg: read at L2, past this SM's L1, which may hold stale
+    lines of a buffer another launch used at the same address."""
+    offs_s = tl.arange(0, BLOCK_S)
+    lse_all = tl.load(lse_row[:, None] + offs_s[None, :],
+                      mask=mask_h[:, None] & (offs_s < active)[None, :],
+                      other=float("-inf"), cache_modifier=".cg")  # fmt: skip
+    top = tl.max(lse_all, axis=1)
+    top = tl.where(mask_h, top, 0.0)  # heads past H: no finite lse
+    w_all = tl.exp(lse_all - top[:, None])  # [BLOCK_H, BLOCK_S], 0 past active
+    o = tl.zeros((BLOCK_H, BLOCK_V), tl.float32)
+    for s in tl.range(0, active, loop_unroll_factor=MERGE_UNROLL):
+        w_s = tl.sum(tl.where(offs_s[None, :] == s, w_all, 0.0), axis=1)
+        o_s = tl.load(part + s * stride_os, mask=mask_h[:, None], other=0.0,
+                      cache_modifier=".cg")  # fmt: skip
+        o += o_s * w_s[:, None]
+    return o / tl.sum(w_all, axis=1)[:, None]
+
+
+@triton.jit
 def mla_decode_kernel(
     # pointers
     qc_ptr,  # [B, H, KVL]
@@ -194,26 +220,8 @@ def mla_decode_kernel(
             tl.debug_barrier()
             counter = counters_ptr + b * tl.num_programs(1) + hv
             arrived = tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu")
-            if arrived == active - 1:
-                # The last split: out = sum_s exp(lse_s - LSE) o_s / sum_s exp(lse_s - LSE).
-                # Every split's log-sum-exp in one load, then the partials (its own one
-                # re-read too) in a loop whose loads do not depend on each other, unrolled
-                # so several are in flight. Active splits hold >= 1 token, so every lse is
-                # finite. .cg: read at L2, past this SM's L1, which may hold stale lines of
-                # a buffer another launch used at the same address.
-                offs_s = tl.arange(0, BLOCK_S)
-                lse_all = tl.load(lse_row[:, None] + offs_s[None, :],
-                                  mask=mask_h[:, None] & (offs_s < active)[None, :],
-                                  other=float("-inf"), cache_modifier=".cg")  # fmt: skip
-                top = tl.max(lse_all, axis=1)
-                top = tl.where(mask_h, top, 0.0)  # heads past H: no finite lse
-                w_all = tl.exp(lse_all - top[:, None])  # [BLOCK_H, BLOCK_S], 0 past active
-                o = tl.zeros((BLOCK_H, BLOCK_V), tl.float32)
-                for s in tl.range(0, active, loop_unroll_factor=MERGE_UNROLL):
-                    w_s = tl.sum(tl.where(offs_s[None, :] == s, w_all, 0.0), axis=1)
-                    o_s = tl.load(part + s * stride_os, mask=mask_h[:, None], other=0.0,
-                                  cache_modifier=".cg")  # fmt: skip
-                    o += o_s * w_s[:, None]
-                o = o / tl.sum(w_all, axis=1)[:, None]
+            if arrived == active - 1:  # the last split merges (its own partial re-read too)
+                o = merge_splits(part, lse_row, mask_h, active, stride_os,
+                                 BLOCK_H, BLOCK_S, BLOCK_V, MERGE_UNROLL)  # fmt: skip
                 tl.store(out_ptrs, o.to(out_ptr.dtype.element_ty), mask=mask_h[:, None])
                 tl.atomic_xchg(counter, 0)  # zero again for the next launch
