@@ -46,6 +46,8 @@ def main() -> None:
     ap.add_argument("--n-prompts", type=int, default=200)
     ap.add_argument("--n", type=int, default=8)
     ap.add_argument("--new-tokens", type=int, default=64)
+    ap.add_argument("--max-num-seqs", type=int, default=1024)
+    ap.add_argument("--max-num-batched-tokens", type=int, default=16384)
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     model_dir = tempfile.mkdtemp(prefix="moonlight-")
@@ -59,7 +61,8 @@ def main() -> None:
     t0 = time.time()
     llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
               max_model_len=a.prefix_tokens + a.suffix_tokens + a.new_tokens + 16,
-              max_num_seqs=1024, gpu_memory_utilization=0.85, enable_prefix_caching=True,
+              max_num_seqs=a.max_num_seqs, max_num_batched_tokens=a.max_num_batched_tokens,
+              gpu_memory_utilization=0.85, enable_prefix_caching=True,
               seed=0)  # fmt: skip
     up = time.time() - t0
     generate(llm, SamplingParams, workloads.job_prompts("distinct", 4, 64, 8, 1, 1, vocab, 99), 4)

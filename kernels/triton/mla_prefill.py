@@ -8,8 +8,9 @@ query: a prompt of L tokens reads its cache ~L / 2 times).
 
 That a row of `tl.dot`'s result has the same bits whatever the tile's row count was checked
 on the H200 for these shapes (docs/notes-vllm-peer.md); this kernel as a whole has been
-checked against the decode kernel under TRITON_INTERPRET=1 only, and is not used by the
-engine yet.
+checked against the decode kernel under TRITON_INTERPRET=1 (tests/kernels/test_mla_prefill.py)
+and on the H200 (scripts/gpu_mla_prefill_check.py); the engine's batch-invariant prefill
+runs it (engine/backends/cuda/mla.py).
 
 Legend: docs/shapes.md. q_c [T, H, R], q_rope [T, H, P], kv_cache [blocks, block_size,
 R + P]; block_tables [S, max_blocks] one row per sequence; query_lens [S] on the host (the
@@ -42,6 +43,23 @@ def query_tiles(query_lens: list[int], q_tile: int) -> list[tuple[int, int, int]
     return tiles
 
 
+def prefill_launches(
+    query_lens: list[int], q_tile: int, device
+) -> list[tuple[int, int, torch.Tensor]]:
+    """(first row, rows, tile table [3, tiles] on `device`) of each launch: whole tiles,
+    ~ROWS_PER_LAUNCH rows a launch. Every layer of a step launches the same way, so a
+    caller computes this once per step (the tables cross to the device once)."""
+    tiles = query_tiles(query_lens, q_tile)
+    launches = []
+    for start in range(0, len(tiles), max(1, ROWS_PER_LAUNCH // q_tile)):
+        group = tiles[start : start + max(1, ROWS_PER_LAUNCH // q_tile)]
+        first_row = group[0][0]
+        rows = group[-1][0] + group[-1][1] - first_row
+        meta = torch.tensor([[f - first_row, n, s] for f, n, s in group], dtype=torch.int32)
+        launches.append((first_row, rows, meta.t().contiguous().to(device, non_blocking=True)))
+    return launches
+
+
 def mla_prefill(
     q_c: torch.Tensor,
     q_rope: torch.Tensor,
@@ -54,10 +72,12 @@ def mla_prefill(
     q_tile: int = 4,
     value_blocks: int = 2,
     block_t: int = 32,
+    launches: list | None = None,
 ) -> torch.Tensor:
     """See the module docstring. `num_splits`: the decode kernel's launch constant (the most
     splits any query may use, as the decode graphs capture it); the result matches the
-    decode kernel's for the same value."""
+    decode kernel's for the same value. `launches`: prefill_launches(query_lens, q_tile)
+    where the caller has it already."""
     T, heads, kvl = q_c.shape
     r = q_rope.shape[-1]
     assert sum(query_lens) == T, f"query_lens sum to {sum(query_lens)}, not the {T} rows"
@@ -67,21 +87,13 @@ def mla_prefill(
     assert q_tile >= 1 and q_tile == next_pow2(q_tile), f"q_tile must be a power of 2, got {q_tile}"
     check_device(q_c, q_rope, kv_cache, block_tables, context_lens)
     out = torch.empty((T, heads, kvl), dtype=q_c.dtype, device=q_c.device)
-    tiles = query_tiles(query_lens, q_tile)
-    block_h = 16
-    grid_hv = triton.cdiv(heads, block_h) * value_blocks
-    start = 0
-    while start < len(tiles):  # launches of whole tiles, ~ROWS_PER_LAUNCH rows each
-        end = start + max(1, ROWS_PER_LAUNCH // q_tile)
-        group = tiles[start:end]
-        first_row = group[0][0]
-        rows = group[-1][0] + group[-1][1] - first_row
-        meta = torch.tensor([[f - first_row, n, s] for f, n, s in group], dtype=torch.int32)
-        meta = meta.t().contiguous().to(q_c.device)
+    if launches is None:
+        launches = prefill_launches(query_lens, q_tile, q_c.device)
+    grid_hv = triton.cdiv(heads, 16) * value_blocks
+    for first_row, rows, meta in launches:
         sl = slice(first_row, first_row + rows)
         _launch(q_c[sl], q_rope[sl], kv_cache, block_tables, context_lens[sl], out[sl], meta,
                 scale, num_splits, q_tile, value_blocks, block_t, grid_hv)  # fmt: skip
-        start = end
     return out
 
 
