@@ -390,11 +390,11 @@ def test_batch_invariant_cuda_ops_give_a_sequence_the_same_logits_however_it_is_
     tmp_path, experts, attention, monkeypatch
 ):
     # batch_invariant: every launch's configuration is fixed by its weights' shape and
-    # every query attends with the decode kernel's arithmetic (prefill queries through the
-    # query-tiled prefill kernel), so a sequence's logits are the same bits whether its
-    # tokens arrive in one prefill, in chunks, one decode row at a time, alone or among
-    # other sequences. The tiny model's rope width (8) is under tl.dot's K on a GPU, so
-    # "kernels" lowers the bound the interpreter does not have.
+    # every query attends through the decode kernel, so a sequence's logits are the same
+    # bits whether its tokens arrive in one prefill, in chunks, one decode row at a time,
+    # alone or among other sequences. The tiny model's rope width (8) is under tl.dot's K
+    # on a GPU, where the reference attends instead; "kernels" lowers that bound, which the
+    # interpreter does not have, so the decode kernel runs here too.
     if attention == "kernels":
         monkeypatch.setattr(mla_backend, "MIN_DOT_K", 8)
     make_random_checkpoint(tmp_path, preset="tiny", expert_dtype=experts, dense_dtype="fp8",

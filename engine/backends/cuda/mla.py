@@ -8,8 +8,6 @@
 - Prefill: the same stacked GEMM and one launch for rope, norm and cache write, then the
   torch attention forms (engine/ops/mla_forms.py), the expanded one in the model's dtype
   unless CudaTuning.mla_expanded_float32.
-- Batch-invariant (either step): the absorbed form with the decode kernel's arithmetic for
-  every query, prefill queries through the query-tiled prefill kernel (invariant_attend).
 
 Legend: docs/shapes.md. Context lengths are read by the attention kernel from a device
 tensor, so a decode step never syncs the host and can be captured in a CUDA graph.
@@ -28,12 +26,8 @@ from engine.spec_decode.mtp import MAX_DRAFTS
 from kernels.reference.mla_decode import mla_decode_reference
 
 MIN_DOT_K = 16  # tl.dot needs K >= 16; the decode kernel dots over the latent and rope widths
-# The batch-invariant prefill kernel's query tile and value blocks (kernels/triton/
-# mla_prefill.py): the fastest variant with the decode kernel's bits on the H200 at
-# Moonlight's shapes (scripts/gpu_mla_prefill_check.py).
-PREFILL_Q_TILE, PREFILL_VALUE_BLOCKS = 4, 2
-# Decode rows per decode-kernel launch in a batch-invariant step.
-DECODE_ROWS_PER_LAUNCH = 256
+# Query rows per decode-kernel launch when a prefill's queries run through it.
+ROWS_PER_LAUNCH = 256
 
 
 class CudaMlaOps(TorchMlaOps):
@@ -120,50 +114,42 @@ class CudaMlaOps(TorchMlaOps):
         return super().forward(attn, x, positions, ctx)
 
     def invariant_attend(self, attn, q, kv, positions, ctx: AttentionContext, dtype):
-        """Every query, decode or prefill, in the absorbed form with the decode kernel's
-        arithmetic over its own causal context (its position + 1 tokens of its sequence's
-        blocks), with each launch's configuration fixed: a token's attention is then the
-        same in a prompt's prefill, a chunk after a cached prefix, a recomputation after
-        preemption and a decode step of any batch. Prefill steps run the query-tiled
-        prefill kernel, which reads each cache tile once per tile of queries and gives each
-        query the decode kernel's bits. The output in `dtype` (the layer input's)."""
+        """Every query, decode or prefill, in the absorbed form by the decode kernel over
+        its own causal context (its position + 1 tokens of its sequence's blocks), with
+        each launch's configuration fixed: a token's attention is then the same in a
+        prompt's prefill, a chunk after a cached prefix, a recomputation after preemption
+        and a decode step of any batch. The output in `dtype` (the layer input's)."""
         from kernels.triton.matmul import fixed_bmm
         from kernels.triton.mla_cache import mla_rope_cache_write_
         from kernels.triton.mla_decode import mla_decode
-        from kernels.triton.mla_prefill import mla_prefill, prefill_launches
 
         d = attn.dims
         T, H, N, V = q.shape[0], d.num_heads, d.qk_nope_head_dim, d.v_head_dim
         cache = attn.kv_cache
         mla_rope_cache_write_(q[..., N:], *self.rope_cache_args(attn, kv, positions, ctx))
+        if ctx.is_decode:  # one query per sequence: the step's own tables and lengths
+            tables, lens = ctx.block_tables, ctx.context_lens
+        else:
+            tables, lens = ctx.shared("mla-query-tables", lambda: query_tables(ctx, positions))
         q_c = fixed_bmm(q[..., :N].transpose(0, 1), self.w_uk.to(q.dtype))  # [H, T, R]
         q_c = q_c.transpose(0, 1).to(cache.dtype).contiguous()  # [T, H, R]
         q_rope = q[..., N:].to(cache.dtype).contiguous()  # [T, H, P]
-        kernels = (
-            cache.dtype in KERNEL_DTYPES and min(d.kv_lora_rank, d.qk_rope_head_dim) >= MIN_DOT_K
-        )
-        if kernels and ctx.is_decode:  # one query per sequence: the step's tables and lengths
-            # Rows in chunks: the split partials' buffer grows with the rows, and a row's
-            # result does not depend on its chunk.
-            o_lat = [
-                mla_decode(q_c[rows], q_rope[rows], cache, ctx.block_tables[rows],
-                           ctx.context_lens[rows], attn.scale, self.fixed_splits, value_blocks=1)
-                for rows in (slice(r, r + DECODE_ROWS_PER_LAUNCH) for r in range(0, T, DECODE_ROWS_PER_LAUNCH))
-            ]  # fmt: skip
-            o_lat = o_lat[0] if len(o_lat) == 1 else torch.cat(o_lat)
-        elif kernels:  # each query over its own causal context (position + 1 tokens)
-            launches, context_lens = ctx.shared("mla-prefill-launches", lambda: (
-                prefill_launches(ctx.query_lens_host, PREFILL_Q_TILE, q.device),
-                (positions + 1).to(torch.int32),
-            ))  # fmt: skip
-            o_lat = mla_prefill(q_c, q_rope, cache, ctx.block_tables, ctx.query_lens_host,
-                                context_lens, attn.scale, self.fixed_splits, q_tile=PREFILL_Q_TILE,
-                                value_blocks=PREFILL_VALUE_BLOCKS, launches=launches)  # fmt: skip
-        else:  # float32 (the kernels' float32 dots round to tf32), or dims under tl.dot's K
-            tables, lens = (ctx.block_tables, ctx.context_lens) if ctx.is_decode else ctx.shared(
-                "mla-query-tables", lambda: query_tables(ctx, positions))  # fmt: skip
-            o_lat = mla_decode_reference(q_c, q_rope, cache, tables, lens, attn.scale,
-                                         ctx.max_context_len)  # fmt: skip
+        if cache.dtype in KERNEL_DTYPES and min(d.kv_lora_rank, d.qk_rope_head_dim) >= MIN_DOT_K:
+            # Rows in chunks: the split partials' buffer grows with the rows (a prefill's
+            # thousands), and a row's result does not depend on its chunk.
+            chunks = range(0, T, ROWS_PER_LAUNCH)
+            o_lat = torch.cat([
+                mla_decode(q_c[r : r + ROWS_PER_LAUNCH], q_rope[r : r + ROWS_PER_LAUNCH], cache,
+                           tables[r : r + ROWS_PER_LAUNCH], lens[r : r + ROWS_PER_LAUNCH],
+                           attn.scale, self.fixed_splits, value_blocks=1)
+                for r in chunks
+            ]) if len(chunks) > 1 else mla_decode(
+                q_c, q_rope, cache, tables, lens, attn.scale, self.fixed_splits, value_blocks=1
+            )  # fmt: skip
+        else:
+            o_lat = mla_decode_reference(
+                q_c, q_rope, cache, tables, lens, attn.scale, ctx.max_context_len
+            )
         out = fixed_bmm(o_lat.transpose(0, 1), self.w_uv_t.to(o_lat.dtype))  # [H, T, V]
         out = out.transpose(0, 1).reshape(T, H * V)
         return attn.o_proj(out.to(dtype))
