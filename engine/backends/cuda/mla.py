@@ -28,11 +28,13 @@ from kernels.reference.mla_decode import mla_decode_reference
 MIN_DOT_K = 16  # tl.dot needs K >= 16; the decode kernel dots over the latent and rope widths
 # Query rows per decode-kernel launch when a prefill's queries run through it.
 ROWS_PER_LAUNCH = 256
-# The batch-invariant launch: 64-slot cache tiles at 8 warps. H200, Moonlight's MLA shapes
-# (docs/notes-vllm-peer.md): 0.83 against 1.17 ms for 1,000 decode rows at ~2,080 tokens of
-# context, 13.7 against 18.6 ms for 16,384 prefill queries after a 2,000-token prefix.
+# The batch-invariant launch, one for every row count (its tile and warps fix each row's
+# bits): 64-slot cache tiles at 4 warps. H200, Moonlight's MLA shapes, against 32-slot
+# tiles at 8 warps (docs/prefix-caching.md): 0.84 against 1.17 ms for 1,000 decode rows at
+# ~2,080 tokens of context, 14.0 against 18.6 ms for 16,384 prefill queries after a
+# 2,000-token prefix, 202 against 247 us for 1,024 rows at 192 tokens.
 INVARIANT_BLOCK_T = 64
-INVARIANT_WARPS = 8
+INVARIANT_WARPS = 4
 
 
 class CudaMlaOps(TorchMlaOps):
