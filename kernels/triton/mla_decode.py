@@ -92,13 +92,17 @@ def mla_decode(
     num_stages: int = 2,
     prefetch: int = 1,
     value_blocks: int | None = None,
+    partial_splits: int | None = None,
 ) -> torch.Tensor:
     """Returns [B, H, R] in q_c's dtype. See the module docstring for the layouts.
     `prefetch` (split sequences only): 1 loads each cache tile's page indices one tile
     ahead (~6% less time per launch at batch 1 on the H200, docs/notes-gpu-engine.md), 0
     does not.
     `value_blocks` (default_value_blocks when None) splits each head block's output
-    columns over that many programs."""
+    columns over that many programs.
+    `partial_splits` (num_splits when None): the splits' scratch is allocated for that
+    many; pass splits_for_context(longest context, block_t) where the host knows it, as
+    no sequence uses more. Memory only: the launch, so every row's bits, is the same."""
     assert q_c.dim() == 3 and q_rope.dim() == 3, "q_c and q_rope must be [B, H, D]"
     bsz, heads, kvl = q_c.shape
     r = q_rope.shape[-1]
@@ -128,8 +132,9 @@ def mla_decode(
     block_h = 16  # tl.dot's smallest M; heads beyond H are masked
     head_blocks = triton.cdiv(heads, block_h)
     if num_splits > 1:
-        o_part = torch.empty((bsz, heads, num_splits, kvl), dtype=torch.float32, device=q_c.device)
-        lse = torch.empty((bsz, heads, num_splits), dtype=torch.float32, device=q_c.device)
+        kept = num_splits if partial_splits is None else max(1, min(partial_splits, num_splits))
+        o_part = torch.empty((bsz, heads, kept, kvl), dtype=torch.float32, device=q_c.device)
+        lse = torch.empty((bsz, heads, kept), dtype=torch.float32, device=q_c.device)
         counters = arrival_counters(q_c.device, bsz * head_blocks * value_blocks)
     else:  # never read: one split writes `out` directly
         o_part = lse = counters = out

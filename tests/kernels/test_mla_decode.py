@@ -89,6 +89,19 @@ def test_mla_decode_leaves_counters_zero_for_the_next_launch():
         assert not arrival_counters(args[0].device, 8).any()
 
 
+def test_partial_scratch_for_the_longest_context_gives_the_same_bits():
+    # A launch sized for far longer contexts (num_splits 12), its split scratch allocated
+    # only for the splits the longest row here uses: the same bits as the full scratch.
+    args = make_case([300, 5, 129], heads=3, kvl=32, r=16, bs=16, seed=11)
+    full = mla_decode(*args, scale=0.2, num_splits=12, block_t=16, value_blocks=1)
+    kept = splits_for_context(300, 16)
+    assert 1 < kept < 12
+    small = mla_decode(*args, scale=0.2, num_splits=12, block_t=16, value_blocks=1,
+                       partial_splits=kept)  # fmt: skip
+    assert torch.equal(full, small)
+    assert rel_err(small, mla_decode_reference(*args, scale=0.2)) < 1e-2
+
+
 def test_value_blocks_only_while_the_programs_fit_the_sms():
     cpu = torch.device("cpu")  # 4 "SMs"
     assert default_value_blocks(1, 16, 1, 512, cpu) == 4  # 1 program -> 4

@@ -26,8 +26,12 @@ from engine.spec_decode.mtp import MAX_DRAFTS
 from kernels.reference.mla_decode import mla_decode_reference
 
 MIN_DOT_K = 16  # tl.dot needs K >= 16; the decode kernel dots over the latent and rope widths
-# Query rows per decode-kernel launch when a prefill's queries run through it.
-ROWS_PER_LAUNCH = 256
+# The batch-invariant launches' split scratch (float32 partials of every row's splits) is
+# at most this many bytes: rows run in as many launches as that takes. Larger launches
+# mean fewer of them (a 16,384-query prefill step at 2,050 tokens of context is 8
+# launches a layer, not 64 of 256 rows, each ~0.1 ms of host time) and one launch for a
+# 1,024-row decode step.
+PARTIALS_BYTES = 1 << 30
 # The batch-invariant launch, one for every row count (its tile and warps fix each row's
 # bits): 64-slot cache tiles at 4 warps. H200, Moonlight's MLA shapes, against 32-slot
 # tiles at 8 warps (docs/prefix-caching.md): 0.84 against 1.17 ms for 1,000 decode rows at
@@ -130,7 +134,7 @@ class CudaMlaOps(TorchMlaOps):
         and a decode step of any batch. The output in `dtype` (the layer input's)."""
         from kernels.triton.matmul import fixed_bmm
         from kernels.triton.mla_cache import mla_rope_cache_write_
-        from kernels.triton.mla_decode import mla_decode
+        from kernels.triton.mla_decode import mla_decode, splits_for_context
 
         d = attn.dims
         T, H, N, V = q.shape[0], d.num_heads, d.qk_nope_head_dim, d.v_head_dim
@@ -144,17 +148,24 @@ class CudaMlaOps(TorchMlaOps):
         q_c = q_c.transpose(0, 1).to(cache.dtype).contiguous()  # [T, H, R]
         q_rope = q[..., N:].to(cache.dtype).contiguous()  # [T, H, P]
         if cache.dtype in KERNEL_DTYPES and min(d.kv_lora_rank, d.qk_rope_head_dim) >= MIN_DOT_K:
-            # Rows in chunks: the split partials' buffer grows with the rows (a prefill's
-            # thousands), and a row's result does not depend on its chunk.
-            chunks = range(0, T, ROWS_PER_LAUNCH)
-            fixed = dict(block_t=INVARIANT_BLOCK_T, num_warps=INVARIANT_WARPS, value_blocks=1)
-            o_lat = torch.cat([
-                mla_decode(q_c[r : r + ROWS_PER_LAUNCH], q_rope[r : r + ROWS_PER_LAUNCH], cache,
-                           tables[r : r + ROWS_PER_LAUNCH], lens[r : r + ROWS_PER_LAUNCH],
-                           attn.scale, self.fixed_splits, **fixed)
-                for r in chunks
-            ]) if len(chunks) > 1 else mla_decode(
-                q_c, q_rope, cache, tables, lens, attn.scale, self.fixed_splits, **fixed
+            # Rows in launches: the split partials' scratch grows with the rows (a prefill's
+            # thousands), and a row's result does not depend on its launch; the scratch only
+            # for the splits the longest context here uses.
+            kept = min(
+                splits_for_context(ctx.max_context_len, INVARIANT_BLOCK_T), self.fixed_splits
+            )
+            per_row = H * kept * d.kv_lora_rank * 4
+            launch_rows = max(1, PARTIALS_BYTES // per_row)
+            fixed = dict(block_t=INVARIANT_BLOCK_T, num_warps=INVARIANT_WARPS, value_blocks=1,
+                         partial_splits=kept)  # fmt: skip
+
+            def attend(rows: slice) -> torch.Tensor:
+                return mla_decode(q_c[rows], q_rope[rows], cache, tables[rows], lens[rows],
+                                  attn.scale, self.fixed_splits, **fixed)  # fmt: skip
+
+            launches = [slice(r, r + launch_rows) for r in range(0, T, launch_rows)]
+            o_lat = torch.cat([attend(rows) for rows in launches]) if len(launches) > 1 else (
+                attend(slice(None))
             )  # fmt: skip
         else:
             o_lat = mla_decode_reference(
