@@ -28,7 +28,7 @@ from kernels.reference.mla_decode import mla_decode_reference
 MIN_DOT_K = 16  # tl.dot needs K >= 16; the decode kernel dots over the latent and rope widths
 # The batch-invariant launches' split scratch (float32 partials of every row's splits) is
 # at most this many bytes: rows run in as many launches as that takes. Larger launches
-# mean fewer of them (a 16,384-query prefill step at 2,050 tokens of context is 8
+# mean fewer of them (a 16,384-query prefill step at 2,050 tokens of context is 4
 # launches a layer, not 64 of 256 rows, each ~0.1 ms of host time) and one launch for a
 # 1,024-row decode step.
 PARTIALS_BYTES = 1 << 30
