@@ -29,7 +29,7 @@ MIN_DOT_K = 16  # tl.dot needs K >= 16; the decode kernel dots over the latent a
 # The batch-invariant launches' split scratch (float32 partials of every row's splits) is
 # at most this many bytes: rows run in as many launches as that takes. Larger launches
 # mean fewer of them (a 16,384-query prefill step at 2,050 tokens of context is 4
-# launches a layer, not 64 of 256 rows, each ~0.1 ms of host time) and one launch for a
+# launches a layer, not 64 of 256 rows, each ~0.2 ms of host time) and one launch for a
 # 1,024-row decode step.
 PARTIALS_BYTES = 1 << 30
 # The batch-invariant launch, one for every row count (its tile and warps fix each row's
