@@ -4,10 +4,11 @@
   fixed_bmm(a [S, M, K], b [S, K, N])     -> a @ b    [S, M, N]
 
 cuBLAS picks its algorithm (and split-K) by the problem's shape, M included, so a row's
-bits change with its batch. Here the tile sizes, the K split and the order the split
-partials are added in are chosen from N and K alone (fixed_config), every program
-accumulates its K range in BLOCK_K steps in order, and the splits are summed in split
-order: a row's arithmetic is the same at every M. float32 operands multiply in float32
+bits change with its batch. Here BLOCK_K, the K split and the order the split partials are
+added in are chosen from N and K alone (fixed_config), every program accumulates its K
+range in BLOCK_K steps in order, and the splits are summed in split order: a row's
+arithmetic is the same at every M. Only the tiles, and whether a program sums its own
+splits, follow M (launch_config), which no row's bits depend on. float32 operands multiply in float32
 (IEEE), others on the tensor cores with a float32 accumulator. Legend: docs/shapes.md.
 """
 
@@ -22,6 +23,10 @@ from kernels.triton._matmul_kernels import fixed_matmul_kernel, split_sum_kernel
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
+
+# Rows from which a call takes LARGE_TILES with its K splits summed in the program.
+LARGE_M = 512
+LARGE_TILES = dict(BLOCK_M=128, BLOCK_N=128, num_warps=8, num_stages=3)
 
 TABLE = "fixed_linear"  # kernels/triton/configs/fixed_linear.json, by shape_key
 
@@ -49,6 +54,18 @@ def heuristic_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -
     return dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=block_k, SPLIT_K=split, num_warps=4, num_stages=3)
 
 
+def launch_config(cfg: dict, m: int, dtype: torch.dtype) -> dict:
+    """The launch of `cfg` (fixed_config's) for an M-row call. A row's bits depend only on
+    BLOCK_K and the K split (see _k_range), so at LARGE_M rows and more, where the row
+    tiles alone fill the GPU, the tiles grow to LARGE_TILES and each program sums its
+    row tile's K splits itself (INLINE), in the order split_sum_kernel would: the same bits
+    without the float32 partials' write and read. float32 (the IEEE dot, no tensor cores)
+    keeps its tiles."""
+    if m < LARGE_M or dtype == torch.float32 or cfg.get("INLINE"):
+        return cfg
+    return {**cfg, **LARGE_TILES, "INLINE": int(cfg["SPLIT_K"] > 1)}
+
+
 def fixed_bmm(
     a: torch.Tensor, b: torch.Tensor, out_dtype: torch.dtype | None = None
 ) -> torch.Tensor:
@@ -68,7 +85,7 @@ def fixed_linear(
     config: dict | None = None,
 ):
     """x [..., K] @ weight [N, K]^T -> [..., N] in out_dtype (default x's). `config`
-    overrides fixed_config (the tuner's candidates)."""
+    overrides launch_config (the tuner's candidates)."""
     assert weight.dim() == 2 and x.shape[-1] == weight.shape[1], (
         f"x [..., {x.shape[-1]}] vs weight {list(weight.shape)}"
     )
@@ -90,21 +107,25 @@ def _launch(
     out = torch.empty((s, m, n), dtype=out_dtype, device=a.device)
     if out.numel() == 0:
         return out
-    cfg = config or fixed_config(n, k, a.dtype, a.device)
-    split = cfg["SPLIT_K"]
-    part = (
-        out if split == 1 else torch.empty((split, s, m, n), dtype=torch.float32, device=a.device)
+    cfg = config or launch_config(fixed_config(n, k, a.dtype, a.device), m, a.dtype)
+    split, inline = cfg["SPLIT_K"], cfg.get("INLINE", 0)
+    separate = split > 1 and not inline  # the partials summed by split_sum_kernel
+    part = torch.empty((split, s, m, n), dtype=torch.float32, device=a.device) if separate else out
+    grid = (
+        triton.cdiv(n, cfg["BLOCK_N"]),
+        triton.cdiv(m, cfg["BLOCK_M"]),
+        s * (split if separate else 1),
     )
-    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), s * split)
     fixed_matmul_kernel[grid](
         a, b_nk, part, m, n, k,
         a.stride(0), a.stride(1), a.stride(2), b_nk.stride(0), b_nk.stride(1), b_nk.stride(2),
-        part.stride(0) if split > 1 else 0, part.stride(-3), part.stride(-2),
+        part.stride(0) if separate else 0, part.stride(-3), part.stride(-2),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split,
+        INLINE=int(inline),
         IEEE=a.dtype == torch.float32 and not interpreting(), F32_DOT=interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
-    if split > 1:
+    if separate:
         numel = out.numel()
         split_sum_kernel[(triton.cdiv(numel, 1024),)](part, out, numel, SPLIT=split, BLOCK=1024)
     return out

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from kernels.reference.matmul import fixed_bmm_reference, fixed_linear_reference
-from kernels.triton.matmul import fixed_bmm, fixed_config, fixed_linear
+from kernels.triton.matmul import LARGE_M, fixed_bmm, fixed_config, fixed_linear, launch_config
 from tests.kernels._helpers import DEVICE, rel_err
 
 TOL = {torch.float32: 1e-6, torch.bfloat16: 1e-2}
@@ -54,6 +54,21 @@ def test_a_rows_result_does_not_depend_on_its_batch(dtype):
         assert torch.equal(fixed_linear(rows[:m], w)[:1], alone), f"row 0 changed at M={m}"
     shuffled = fixed_linear(rows.flip(0), w)
     assert torch.equal(shuffled[-1:], alone)
+
+
+def test_large_row_counts_sum_their_splits_in_the_program_with_the_same_bits():
+    # From LARGE_M rows the tiles grow and each program adds its K splits itself: a row
+    # keeps the bits it has alone (split partials summed by split_sum_kernel).
+    n, k, dtype = 40, 1024, torch.bfloat16
+    cfg = fixed_config(n, k, dtype, torch.device(DEVICE))
+    assert cfg["SPLIT_K"] > 1 and launch_config(cfg, LARGE_M, dtype)["INLINE"] == 1
+    gen = torch.Generator().manual_seed(12)
+    rows = torch.randn(LARGE_M + 5, k, generator=gen).to(DEVICE, dtype)
+    w = torch.randn(n, k, generator=gen).to(DEVICE, dtype)
+    many = fixed_linear(rows, w)
+    for r in (0, 130, LARGE_M + 4):
+        assert torch.equal(many[r : r + 1], fixed_linear(rows[r : r + 1], w)), f"row {r}"
+    assert rel_err(many, fixed_linear_reference(rows, w)) < TOL[dtype]
 
 
 def test_empty_input():
