@@ -157,10 +157,11 @@ class CudaMoeOps(MoeOps):
         self, moe, x: torch.Tensor, input_ids: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The batch-invariant form: the router's float32 logits from the fixed-config
-        matmul and the per-token routing kernel, the routed experts at one config with the
-        ordered combine, the shared expert through its own (fixed-config) linears, added
-        after. No launch here picks anything by the token count."""
-        from kernels.triton.fused_moe import fixed_config, fused_moe
+        matmul and the per-token routing kernel, the routed experts with the ordered
+        combine at invariant_config, the shared expert through its own (fixed-config)
+        linears, added after. Launches pick only their tiles by the token count, never what
+        a token's bits depend on (the K steps, their splits and their order)."""
+        from kernels.triton.fused_moe import fused_moe
         from kernels.triton.matmul import fixed_linear
         from kernels.triton.moe_router import moe_route
 
@@ -176,8 +177,7 @@ class CudaMoeOps(MoeOps):
             fused = self.fused
             out = fused_moe(
                 x, fused.w13, fused.w2, weights, ids, fused.fmt, fused.w13_scale, fused.w2_scale,
-                config=fixed_config(fused.fmt), out_dtype=torch.float32, ordered_combine=True,
-                swiglu_limit=self.swiglu_limit,
+                out_dtype=torch.float32, ordered_combine=True, swiglu_limit=self.swiglu_limit,
             )  # fmt: skip
         else:
             out = self.routed_experts(moe.experts, x, weights, ids)
@@ -189,7 +189,7 @@ class CudaMoeOps(MoeOps):
         """Experts split between the GPU and the host: the routing goes to the host first,
         then the GPU's routed and shared experts are launched, and the CPU computes its
         experts while they run (engine/backends/cuda/host_experts.py)."""
-        from kernels.triton.fused_moe import fixed_config, fused_moe
+        from kernels.triton.fused_moe import fused_moe
         from kernels.triton.matmul import fixed_linear
         from kernels.triton.moe_router import moe_route
 
@@ -207,7 +207,7 @@ class CudaMoeOps(MoeOps):
             if split.num_device:
                 fused = self.fused
                 device_weights, slots = split.device_pairs(weights, ids)
-                invariant = {"config": fixed_config(fused.fmt), "ordered_combine": True}
+                invariant = {"ordered_combine": True}
                 out = fused_moe(
                     x, fused.w13, fused.w2, device_weights, slots, fused.fmt,
                     fused.w13_scale, fused.w2_scale, out_dtype=torch.float32,
