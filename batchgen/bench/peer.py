@@ -85,6 +85,16 @@ def distinct_experts(llm, requests, temperature: float) -> dict:
     return out
 
 
+def _decode_tok_s(batch: int, gen: int, tg: float, t1: float) -> float | None:
+    """The anchor's decode estimate, batch x (gen - 1) / (tg - t1); None (with a warning)
+    where the 1-token pass took as long as the whole one, so that a stall in t1 cannot
+    pass for a decode rate."""
+    if tg <= t1:
+        print(f"batch {batch}: t1 {t1:.3f} s >= tg {tg:.3f} s, no decode estimate", flush=True)
+        return None
+    return batch * (gen - 1) / (tg - t1)
+
+
 def run_short(llm, batches, prompt_len: int, gen: int, temperature: float, weights: str):
     _generate(llm, workloads.short(4, prompt_len, 8), temperature)
     rows = []
@@ -97,7 +107,7 @@ def run_short(llm, batches, prompt_len: int, gen: int, temperature: float, weigh
         row = {"engine": "batchgen", "workload": "short", "weights": weights, "batch": b,
                **distinct,
                "temperature": temperature, "e2e_tok_s": made / tg,
-               "decode_tok_s": b * (gen - 1) / max(tg - t1, 1e-9),
+               "decode_tok_s": _decode_tok_s(b, gen, tg, t1),
                "prefill_tok_s": b * prompt_len / t1, "t_gen_s": tg, "t_prefill1_s": t1}  # fmt: skip
         rows.append(row)
         print(json.dumps(row), flush=True)
@@ -128,7 +138,7 @@ def add_ratios(rows: list[dict], vllm_rows: list[dict]) -> None:
         if peer is None:
             continue
         for key in ("e2e_tok_s", "decode_tok_s", "prefill_tok_s"):
-            if key in row and peer.get(key):
+            if row.get(key) and peer.get(key):
                 row[f"{key}_ratio_vs_vllm"] = row[key] / peer[key]
 
 
