@@ -1,68 +1,92 @@
-"""The split-K kernels compile for an H100/H200 (sm_90) without a GPU: Triton's front end
-type-checks what the interpreter runs unchecked (a runtime branch may not retype a
-variable, for one). The compile runs in a child process without TRITON_INTERPRET, which
-must be unset before triton is imported."""
+"""Every launch some kernel tests make under the interpreter also compiles for an H100/H200
+(sm_90), on a machine without a GPU: Triton's compiler type-checks and lowers what the
+interpreter runs unchecked (a runtime branch may not retype a variable; a tile must fit
+the registers and shared memory). Two child processes: the tests with the launches
+recorded (tests/kernels/_launch_recorder.py), then the compiles, without TRITON_INTERPRET,
+which must be unset before triton is first imported.
+
+    python tests/kernels/test_sm90_compile.py RECORDS.jsonl   # the compiling child
+"""
 
 from __future__ import annotations
 
+import importlib
+import json
 import os
 import subprocess
 import sys
+from concurrent.futures import ProcessPoolExecutor
 from pathlib import Path
 
 import pytest
 import torch
 
 ROOT = Path(__file__).resolve().parents[2]
+# The kernels a session without a GPU is likeliest to change, through tests that take
+# seconds under the interpreter.
+RECORDED_TESTS = [
+    "tests/kernels/test_matmul.py",
+    "tests/kernels/test_fp8_linear.py",
+    "tests/kernels/test_fused_moe_ordered.py",
+]
+# Interpreter-only constexprs and the value a GPU launch passes.
+ON_THE_GPU = {"F32_DOT": False}
 
 
-def _compile_all() -> None:
+def _compile(line: str) -> str | None:
+    """None if the recorded launch compiles for sm_90, else what failed."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
 
-    from kernels.triton._fp8_linear_kernels import fp8_block_linear_kernel
-    from kernels.triton._matmul_kernels import fixed_matmul_kernel
+    module, name, types, constants, options = json.loads(line)
+    constants = {k: ON_THE_GPU.get(k, v) for k, v in constants.items()}
+    names = [arg for arg, _ in types]
+    source = ASTSource(
+        fn=getattr(importlib.import_module(module), name),
+        signature=dict(types),
+        constexprs={(names.index(k),): v for k, v in constants.items()},
+    )
+    try:
+        triton.compile(source, target=GPUTarget("cuda", 90, 32), options=options)
+    except Exception as e:  # noqa: BLE001 - the report names the launch and the error
+        return f"{name} {constants} {options}: {str(e)[-1500:]}"
+    return None
 
-    target = GPUTarget("cuda", 90, 32)
 
-    def build(fn, signature: dict, constants: dict) -> None:
-        signature = {k: "constexpr" if k in constants else v for k, v in signature.items()}
-        names = list(signature)
-        consts = {(names.index(k),): v for k, v in constants.items()}
-        triton.compile(ASTSource(fn=fn, signature=signature, constexprs=consts), target=target)
-
-    i32 = "i32"
-    fp8 = dict(x_ptr="*bf16", xs_ptr="*bf16", w_ptr="*fp8e4nv", ws_ptr="*fp32", y_ptr="*bf16",
-               part_ptr="*fp32", counters_ptr="*i32", M=i32, N=i32, K=i32, stride_xm=i32,
-               stride_wn=i32, stride_wsn=i32, stride_xsm=i32, SPLIT_K=i32, SCALE_E8M0="",
-               NATIVE_FP8="", BLOCK_M="", BLOCK_N="", BLOCK_K="", F32_DOT="", SWAP_AB="")  # fmt: skip
-    for swap in (False, True):
-        meta = dict(SCALE_E8M0=True, NATIVE_FP8=False, BLOCK_M=64, BLOCK_N=64, BLOCK_K=128,
-                    F32_DOT=False, SWAP_AB=swap)  # fmt: skip
-        build(fp8_block_linear_kernel, fp8, meta)  # SPLIT_K a runtime value
-        build(fp8_block_linear_kernel, fp8, dict(meta, SPLIT_K=1))
-    mm = dict(a_ptr="*bf16", b_ptr="*bf16", c_ptr="*bf16", part_ptr="*fp32", counters_ptr="*i32",
-              M=i32, N=i32, K=i32, stride_as=i32, stride_am=i32, stride_ak=i32, stride_bs=i32,
-              stride_bn=i32, stride_bk=i32, stride_cp=i32, stride_cs=i32, stride_cm=i32,
-              BLOCK_M="", BLOCK_N="", BLOCK_K="", SPLIT_K="", INLINE="", IEEE="",
-              F32_DOT="")  # fmt: skip
-    for split, inline in ((4, 0), (4, 1), (1, 0)):
-        build(fixed_matmul_kernel, mm, dict(BLOCK_M=64, BLOCK_N=64, BLOCK_K=64, SPLIT_K=split,
-                                            INLINE=inline, IEEE=False, F32_DOT=False))  # fmt: skip
-    print("compiled")
+def _child_env(interpret: bool) -> dict:
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    if interpret:
+        env["TRITON_INTERPRET"] = "1"
+    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
+    return env
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU machine compiles them for real")
-def test_split_k_kernels_compile_for_sm90():
-    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    env["PYTHONPATH"] = os.pathsep.join([str(ROOT), env.get("PYTHONPATH", "")])
-    done = subprocess.run(
-        [sys.executable, __file__], cwd=ROOT, env=env, capture_output=True, text=True,
-        timeout=300,
+def test_recorded_launches_compile_for_sm90(tmp_path):
+    records = tmp_path / "launches.jsonl"
+    run = dict(cwd=ROOT, capture_output=True, text=True, timeout=900)
+    recorded = subprocess.run(
+        [sys.executable, "-m", "tests.kernels._launch_recorder", str(records), *RECORDED_TESTS],
+        env=_child_env(interpret=True), **run,
     )  # fmt: skip
-    assert done.returncode == 0 and "compiled" in done.stdout, done.stderr[-3000:]
+    assert recorded.returncode == 0, recorded.stdout[-3000:]
+    assert len(records.read_text().splitlines()) > 10, "the tests launched next to nothing"
+    compiled = subprocess.run(
+        [sys.executable, __file__, str(records)], env=_child_env(interpret=False), **run
+    )
+    assert compiled.returncode == 0, compiled.stdout[-6000:] + compiled.stderr[-2000:]
+
+
+def main(records: str) -> int:
+    lines = Path(records).read_text().splitlines()
+    with ProcessPoolExecutor(max_workers=os.cpu_count() or 1) as pool:
+        failures = [f for f in pool.map(_compile, lines) if f is not None]
+    for failure in failures:
+        print("FAILED", failure)
+    print(f"{len(lines) - len(failures)} of {len(lines)} launches compiled for sm_90")
+    return 1 if failures else 0
 
 
 if __name__ == "__main__":
-    _compile_all()
+    sys.exit(main(sys.argv[1]))
