@@ -24,7 +24,7 @@ from kernels.triton._common import next_pow2
 
 _BUFFERS: dict[tuple[torch.device, str], torch.Tensor] = {}
 _RETIRED: list[torch.Tensor] = []  # smaller buffers some captured graph may still use
-_MIN_SIZE = 1 << 16  # counters (256 KiB a lane): decode-sized launches need far fewer
+_MIN_SIZE = 4096
 
 
 def arrival_counters(device: torch.device, n: int, lane: str = "main") -> torch.Tensor:

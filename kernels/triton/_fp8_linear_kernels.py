@@ -1,6 +1,6 @@
 """Triton bodies for fp8_linear.py: a GEMV kernel for decode-sized M (float32 FMAs, no
 tensor cores), the tl.dot kernel for larger M, activation quantization for the native FP8
-path; the dot kernel's K splits are summed by each tile's last split to finish.
+path and the dot kernel's split-K reduce.
 
 Dot kernel tiles: BLOCK_K divides 128, so each K step lies in one 128-wide scale block and the scale
 is applied to the partial product (acc += (x @ q) * s[n_block]), not per weight element:
@@ -22,9 +22,7 @@ def fp8_block_linear_kernel(
     xs_ptr,  # [M, ceil(K/128)] float32 activation scales (NATIVE_FP8 only)
     w_ptr,  # [N, K] E4M3
     ws_ptr,  # [ceil(N/128), ceil(K/128)] float32 or E8M0 uint8
-    y_ptr,  # [M, N] out, contiguous, in the activation dtype
-    part_ptr,  # [SPLIT_K, M, N] float32 partials when SPLIT_K > 1, else y_ptr
-    counters_ptr,  # [M tiles, N tiles] zeroed int32 arrival counters when SPLIT_K > 1
+    y_ptr,  # [SPLIT_K, M, N]: float32 partials when SPLIT_K > 1, else y's dtype
     # sizes
     M,
     N,
@@ -34,6 +32,8 @@ def fp8_block_linear_kernel(
     stride_wn,
     stride_wsn,
     stride_xsm,
+    stride_ys,
+    stride_ym,
     SPLIT_K,  # runtime: the number of K splits (grid axis 2)
     # meta-parameters
     SCALE_E8M0: tl.constexpr,
@@ -48,9 +48,7 @@ def fp8_block_linear_kernel(
     SWAP_AB: the tile is computed as W @ x^T, [BLOCK_N, BLOCK_M]. With the bf16 decode the
     decoded weights become wgmma's register operand (see _fused_moe_kernels) rather than a
     bf16 tile staged through shared memory; with NATIVE_FP8 the weight rows fill wgmma's
-    64-row side, so a few tokens (the N side, 8 or more) still get wgmma, not mma.sync.
-    SPLIT_K > 1: each program stores its float32 partial and counts itself in; the last of
-    a tile's SPLIT_K programs adds the partials in split order and stores y (_finish)."""
+    64-row side, so a few tokens (the N side, 8 or more) still get wgmma, not mma.sync."""
     pid_n = tl.program_id(0)
     pid_m = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -85,8 +83,8 @@ def fp8_block_linear_kernel(
             else:
                 part = mma(q.to(x_t.dtype), x_t, part, F32_DOT)
                 acc_t += part * ws[:, None]
-        _finish(acc_t, y_ptr, part_ptr, counters_ptr, offs_m[None, :] * N + offs_n[:, None],
-                mask_m[None, :] & mask_n[:, None], M * N, SPLIT_K)  # fmt: skip
+        y = y_ptr + pid_k * stride_ys + offs_m[None, :] * stride_ym + offs_n[:, None]
+        tl.store(y, acc_t.to(y_ptr.dtype.element_ty), mask=mask_m[None, :] & mask_n[:, None])
         return
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for step in range(step_lo, step_hi):
@@ -115,32 +113,8 @@ def fp8_block_linear_kernel(
             part = mma(x, q.to(x.dtype), part, F32_DOT)
             acc += part * ws[None, :]
 
-    _finish(acc, y_ptr, part_ptr, counters_ptr, offs_m[:, None] * N + offs_n[None, :],
-            mask_m[:, None] & mask_n[None, :], M * N, SPLIT_K)  # fmt: skip
-
-
-@triton.jit
-def _finish(acc, y_ptr, part_ptr, counters_ptr, offs, mask, numel, SPLIT_K):
-    """Store a tile of y (offs: its elements' indices in y [M, N]); with SPLIT_K > 1 store
-    this split's partial, and the tile's last arriving split stores y = 0 + part[0] +
-    part[1] + ... in split order, cast once."""
-    if SPLIT_K == 1:
-        tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
-    else:
-        # a new name: SPLIT_K is a runtime branch, which may not retype `offs`
-        wide, stride = offs.to(tl.int64), numel.to(tl.int64)
-        tl.store(part_ptr + tl.program_id(2) * stride + wide, acc, mask=mask)
-        # Every thread's partial is stored before the one atomic that publishes them
-        # (release); the last arriver's acquire makes all SPLIT_K partials visible to it.
-        tl.debug_barrier()
-        counter = counters_ptr + tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") == SPLIT_K - 1:
-            total = tl.zeros_like(acc)
-            for split in range(SPLIT_K):
-                total += tl.load(part_ptr + split * stride + wide, mask=mask, other=0.0,
-                                 cache_modifier=".cg")  # fmt: skip
-            tl.store(y_ptr + wide, total.to(y_ptr.dtype.element_ty), mask=mask)
-            tl.store(counter, 0)  # zero again for the next launch on this stream
+    y = y_ptr + pid_k * stride_ys + offs_m[:, None] * stride_ym + offs_n[None, :]
+    tl.store(y, acc.to(y_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
 
 
 @triton.jit
@@ -171,6 +145,24 @@ def act_quant_kernel(
     q = f32_to_e4m3_bits(q).to(tl.float8e4nv, bitcast=True)
     tl.store(q_ptr + rows[:, None] * stride_qm + offs[None, :], q, mask=mask)
     tl.store(s_ptr + rows * stride_sm + kb, s, mask=rows < M)
+
+
+@triton.jit
+def splitk_reduce_kernel(
+    part_ptr,  # [SPLIT, M*N] float32 partial products
+    y_ptr,  # [M*N] out, the activation dtype
+    numel,
+    SPLIT: tl.constexpr,
+    BLOCK: tl.constexpr,
+):
+    """y = sum over the split of the partials, cast once: one launch where torch's
+    sum-then-cast takes two."""
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.zeros((BLOCK,), tl.float32)
+    for s in tl.static_range(SPLIT):
+        acc += tl.load(part_ptr + s * numel + offs, mask=mask, other=0.0)
+    tl.store(y_ptr + offs, acc.to(y_ptr.dtype.element_ty), mask=mask)
 
 
 @triton.jit

@@ -1,5 +1,5 @@
-"""Triton body for matmul.py: a tiled matmul whose K steps and K split are fixed by the
-operands' N and K alone, its splits added in split order in the same launch."""
+"""Triton bodies for matmul.py: a tiled matmul whose launch configuration is fixed by the
+operands' N and K alone, and the in-order sum of its K splits."""
 
 from __future__ import annotations
 
@@ -35,9 +35,7 @@ def _k_range(a_rows, b_cols, mask_m, mask_n, k_lo, k_hi, stride_ak, stride_bk,
 def fixed_matmul_kernel(
     a_ptr,  # [S, M, K]
     b_ptr,  # [S, N, K] through its strides (a weight [N, K], or [S, K, N] transposed)
-    c_ptr,  # [S, M, N] in the output dtype
-    part_ptr,  # [SPLIT_K, S, M, N] float32 partials (SPLIT_K > 1, not INLINE), else c_ptr
-    counters_ptr,  # [S, M tiles, N tiles] zeroed int32 arrival counters (same case)
+    c_ptr,  # [S, M, N] in the output dtype, or [SPLIT_K, S, M, N] float32 partials
     M,
     N,
     K,
@@ -47,7 +45,7 @@ def fixed_matmul_kernel(
     stride_bs,
     stride_bn,
     stride_bk,
-    stride_cp,  # between partials
+    stride_cp,  # between partials (SPLIT_K > 1, not INLINE)
     stride_cs,
     stride_cm,
     BLOCK_M: tl.constexpr,
@@ -71,9 +69,8 @@ def fixed_matmul_kernel(
     mask_m = offs_m < M
     mask_n = offs_n < N
     # Split `split` takes whole BLOCK_K steps [k_lo, k_hi): a row's partial sums cover the
-    # same K ranges at every M, and are added in split order: by the program itself when
-    # INLINE, else by the last of the tile's SPLIT_K programs to finish (the same float32
-    # additions either way).
+    # same K ranges at every M, and are added in split order (by split_sum_kernel, or here
+    # when INLINE: the same float32 additions, without the partials' round trip).
     steps = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     a_rows = a_ptr + s.to(tl.int64) * stride_as + offs_m.to(tl.int64)[:, None] * stride_am
     b_cols = b_ptr + s.to(tl.int64) * stride_bs + offs_n.to(tl.int64)[None, :] * stride_bn
@@ -86,19 +83,19 @@ def fixed_matmul_kernel(
             acc += _k_range(a_rows, b_cols, mask_m, mask_n, k_lo,
                             tl.minimum(K, k_lo + steps * BLOCK_K), stride_ak, stride_bk,
                             BLOCK_M, BLOCK_N, BLOCK_K, IEEE, F32_DOT)  # fmt: skip
-    tile = s.to(tl.int64) * stride_cs + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
-    mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K > 1 and not INLINE:
-        tl.store(part_ptr + split.to(tl.int64) * stride_cp + tile, acc, mask=mask)
-        # Every thread's partial is stored before the one atomic that publishes them
-        # (release); the last arriver's acquire makes all SPLIT_K partials visible to it.
-        tl.debug_barrier()
-        counter = counters_ptr + (s * tl.num_programs(1) + pid_m) * tl.num_programs(0) + pid_n
-        if tl.atomic_add(counter, 1, sem="acq_rel", scope="gpu") != SPLIT_K - 1:
-            return
-        acc = tl.load(part_ptr + tile, mask=mask, other=0.0, cache_modifier=".cg")
-        for later in tl.static_range(1, SPLIT_K):
-            acc += tl.load(part_ptr + later * stride_cp.to(tl.int64) + tile, mask=mask, other=0.0,
-                           cache_modifier=".cg")  # fmt: skip
-        tl.store(counter, 0)  # zero again for the next launch on this stream
-    tl.store(c_ptr + tile, acc.to(c_ptr.dtype.element_ty), mask=mask)
+    c = c_ptr + s.to(tl.int64) * stride_cs
+    if not INLINE:
+        c += split.to(tl.int64) * stride_cp
+    c = c + offs_m.to(tl.int64)[:, None] * stride_cm + offs_n[None, :]
+    tl.store(c, acc.to(c_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+@triton.jit
+def split_sum_kernel(part_ptr, out_ptr, numel, SPLIT: tl.constexpr, BLOCK: tl.constexpr):
+    """out = part[0] + part[1] + ... in that order (float32), cast to out's dtype."""
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    acc = tl.load(part_ptr + offs, mask=mask, other=0.0)
+    for p in tl.static_range(1, SPLIT):
+        acc += tl.load(part_ptr + p * numel + offs, mask=mask, other=0.0)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)

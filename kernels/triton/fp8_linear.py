@@ -38,6 +38,7 @@ from kernels.triton._fp8_linear_kernels import (
     act_quant_kernel,
     fp8_block_linear_kernel,
     fp8_gemv_kernel,
+    splitk_reduce_kernel,
 )
 
 OP = "fp8_linear"
@@ -201,22 +202,24 @@ def fp8_block_linear(
     else:
         xin, xs = x2, x2  # xs is unused when NATIVE_FP8 is off
     split = cfg["SPLIT_K"]
-    tiles_n, tiles_m = triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"])
-    if split > 1:
-        part = torch.empty((split, m, n), dtype=torch.float32, device=x.device)
-        counters = arrival_counters(x.device, tiles_m * tiles_n)
-    else:
-        part = counters = y  # unused: one split writes y directly
-    fp8_block_linear_kernel[(tiles_n, tiles_m, split)](
-        xin, xs, weight, scale, y, part, counters,
+    out = y if split == 1 else torch.empty((split, m, n), dtype=torch.float32, device=x.device)
+    grid = (triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"]), split)
+    fp8_block_linear_kernel[grid](
+        xin, xs, weight, scale, out,
         m, n, k,
-        xin.stride(0), weight.stride(0), scale.stride(0), xs.stride(0), split,
+        xin.stride(0), weight.stride(0), scale.stride(0), xs.stride(0),
+        out.stride(0) if split > 1 else 0, n, split,
         SCALE_E8M0=scale.dtype == torch.uint8,
         NATIVE_FP8=native_fp8,
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"],
         F32_DOT=interpreting(), SWAP_AB=cfg.get("SWAP_AB", False),
         num_warps=cfg.get("num_warps", 4), num_stages=cfg.get("num_stages", 3),
     )  # fmt: skip
+    if split > 1:
+        numel = m * n
+        splitk_reduce_kernel[(triton.cdiv(numel, 1024),)](
+            out, y, numel, SPLIT=split, BLOCK=1024, num_warps=4
+        )
     return y.reshape(*lead, n)
 
 

@@ -18,9 +18,8 @@ import torch
 import triton
 
 from kernels.triton import configs
-from kernels.triton._arrival_counters import arrival_counters
 from kernels.triton._common import check_device, interpreting, sm_count
-from kernels.triton._matmul_kernels import fixed_matmul_kernel
+from kernels.triton._matmul_kernels import fixed_matmul_kernel, split_sum_kernel
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 
@@ -59,7 +58,7 @@ def launch_config(cfg: dict, m: int, dtype: torch.dtype) -> dict:
     """The launch of `cfg` (fixed_config's) for an M-row call. A row's bits depend only on
     BLOCK_K and the K split (see _k_range), so at LARGE_M rows and more, where the row
     tiles alone fill the GPU, the tiles grow to LARGE_TILES and each program sums its
-    row tile's K splits itself (INLINE), in the order a tile's last arriver would: the same bits
+    row tile's K splits itself (INLINE), in the order split_sum_kernel would: the same bits
     without the float32 partials' write and read. float32 (the IEEE dot, no tensor cores)
     keeps its tiles."""
     if m < LARGE_M or dtype == torch.float32 or cfg.get("INLINE"):
@@ -110,21 +109,23 @@ def _launch(
         return out
     cfg = config or launch_config(fixed_config(n, k, a.dtype, a.device), m, a.dtype)
     split, inline = cfg["SPLIT_K"], cfg.get("INLINE", 0)
-    separate = split > 1 and not inline  # the partials summed by each tile's last arriver
-    tiles_n, tiles_m = triton.cdiv(n, cfg["BLOCK_N"]), triton.cdiv(m, cfg["BLOCK_M"])
-    if separate:
-        part = torch.empty((split, s, m, n), dtype=torch.float32, device=a.device)
-        counters = arrival_counters(a.device, s * tiles_m * tiles_n)
-    else:
-        part = counters = out
-    grid = (tiles_n, tiles_m, s * (split if separate else 1))
+    separate = split > 1 and not inline  # the partials summed by split_sum_kernel
+    part = torch.empty((split, s, m, n), dtype=torch.float32, device=a.device) if separate else out
+    grid = (
+        triton.cdiv(n, cfg["BLOCK_N"]),
+        triton.cdiv(m, cfg["BLOCK_M"]),
+        s * (split if separate else 1),
+    )
     fixed_matmul_kernel[grid](
-        a, b_nk, out, part, counters, m, n, k,
+        a, b_nk, part, m, n, k,
         a.stride(0), a.stride(1), a.stride(2), b_nk.stride(0), b_nk.stride(1), b_nk.stride(2),
-        part.stride(0) if separate else 0, out.stride(0), out.stride(1),
+        part.stride(0) if separate else 0, part.stride(-3), part.stride(-2),
         BLOCK_M=cfg["BLOCK_M"], BLOCK_N=cfg["BLOCK_N"], BLOCK_K=cfg["BLOCK_K"], SPLIT_K=split,
         INLINE=int(inline),
         IEEE=a.dtype == torch.float32 and not interpreting(), F32_DOT=interpreting(),
         num_warps=cfg["num_warps"], num_stages=cfg["num_stages"],
     )  # fmt: skip
+    if separate:
+        numel = out.numel()
+        split_sum_kernel[(triton.cdiv(numel, 1024),)](part, out, numel, SPLIT=split, BLOCK=1024)
     return out

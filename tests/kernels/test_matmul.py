@@ -58,7 +58,7 @@ def test_a_rows_result_does_not_depend_on_its_batch(dtype):
 
 def test_large_row_counts_sum_their_splits_in_the_program_with_the_same_bits():
     # From LARGE_M rows the tiles grow and each program adds its K splits itself: a row
-    # keeps the bits it has alone (split partials summed by the tile's last arriver).
+    # keeps the bits it has alone (split partials summed by split_sum_kernel).
     n, k, dtype = 40, 1024, torch.bfloat16
     cfg = fixed_config(n, k, dtype, torch.device(DEVICE))
     assert cfg["SPLIT_K"] > 1 and launch_config(cfg, LARGE_M, dtype)["INLINE"] == 1
@@ -69,26 +69,6 @@ def test_large_row_counts_sum_their_splits_in_the_program_with_the_same_bits():
     for r in (0, 130, LARGE_M + 4):
         assert torch.equal(many[r : r + 1], fixed_linear(rows[r : r + 1], w)), f"row {r}"
     assert rel_err(many, fixed_linear_reference(rows, w)) < TOL[dtype]
-
-
-def test_split_partials_are_summed_by_each_tiles_last_program_in_split_order():
-    # Several problems, row tiles and column tiles, each tile's SPLIT_K programs counting in:
-    # the output equals the partials added in split order, call after call (the counters
-    # are zero again after each launch).
-    from kernels.triton._arrival_counters import arrival_counters
-    from kernels.triton.matmul import _launch
-
-    s, m, n, k = 3, 40, 80, 256
-    cfg = dict(BLOCK_M=16, BLOCK_N=32, BLOCK_K=32, SPLIT_K=4, num_warps=4, num_stages=2)
-    gen = torch.Generator().manual_seed(5)
-    a = torch.randn(s, m, k, generator=gen).to(DEVICE)
-    w = torch.randn(n, k, generator=gen).to(DEVICE)
-    parts = [a[..., i * 64 : (i + 1) * 64] @ w[:, i * 64 : (i + 1) * 64].T for i in range(4)]
-    want = ((parts[0] + parts[1]) + parts[2]) + parts[3]
-    for _ in range(2):
-        got = _launch(a, w.expand(s, n, k), torch.float32, cfg)
-        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
-    assert not arrival_counters(torch.device(DEVICE), 3 * 3 * 3).any()
 
 
 def test_empty_input():
