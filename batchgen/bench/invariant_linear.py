@@ -1,7 +1,9 @@
 """`batchgen bench invariant-linear`: tune the batch-invariant linears of a DeepSeek-V3
 preset on this GPU (kernels/tune/invariant_linear.py): per weight shape one launch config
 for every row count, the plain matmul (bf16 weights, the lm_head, the float32 router) and
-the FP8 block-scaled dot kernel (FP8 checkpoints' dense weights).
+the FP8 block-scaled dot kernel (FP8 checkpoints' dense weights); then each shape's tiles
+at a few small row counts, its BLOCK_K and K split held (`--tiles-only` keeps those from the
+committed table, so no row's bits change).
 
 Writes the table to `--tuned-dir`/fixed_linear.json (copy it into kernels/triton/configs/
 to keep it) and the times (us per call at each row count: the kept config, the heuristic it
@@ -42,20 +44,33 @@ def linear_shapes(cfg: dict) -> dict[str, tuple[int, int]]:
 @click.command("invariant-linear")
 @click.option("--preset", default="moonlight-16b-a3b", show_default=True)
 @click.option("--rows", default="1,8,64,256,1024", show_default=True)
+@click.option(
+    "--tile-rows",
+    default="1,8,32,128",
+    show_default=True,
+    help="Row counts whose tiles are tuned with the shape's BLOCK_K and K split held.",
+)
+@click.option(
+    "--tiles-only",
+    is_flag=True,
+    help="Keep each shape's BLOCK_K and K split from the committed table (a row's "
+    "bits stay what they are) and tune only the row-count tiles.",
+)
 @click.option("--only", default="", help="Comma-separated shape names (default: all).")
 @click.option("--no-fp8", is_flag=True, help="Tune only the plain matmul.")
 @click.option("--tuned-dir", type=click.Path(path_type=Path), default=Path("tuned"),
               show_default=True)  # fmt: skip
 @click.option("--name", default="invariant-linear-h200-moonlight", show_default=True)
-def command(preset, rows, only, no_fp8, tuned_dir, name):
+def command(preset, rows, tile_rows, tiles_only, only, no_fp8, tuned_dir, name):
     from engine.checkpoint_maker import PRESETS
-    from kernels.triton import configs, matmul
+    from kernels.triton import configs, fp8_linear, matmul
     from kernels.tune import invariant_linear as tune
 
     if not torch.cuda.is_available():
         raise click.UsageError("bench invariant-linear needs a CUDA GPU")
     device = torch.device("cuda")
     counts = tuple(int(r) for r in rows.split(","))
+    tiles_at = tuple(int(r) for r in tile_rows.split(",")) if tile_rows else ()
     shapes = linear_shapes(PRESETS[preset])
     if only:
         shapes = {k: v for k, v in shapes.items() if k in only.split(",")}
@@ -71,22 +86,25 @@ def command(preset, rows, only, no_fp8, tuned_dir, name):
         for kind, dtype in kinds:
             t0 = time.perf_counter()
             if kind == "fp8":
-                r = tune.tune_fp8(n, k, device, counts)
+                keep = fp8_linear.fixed_config(n, k, device) if tiles_only else None
+                r = tune.tune_fp8(n, k, device, counts, tiles_at, keep)
                 entries[f"fp8_N{n}_K{k}"] = r["config"]
             else:
-                r = tune.tune_matmul(n, k, dtype, device, counts)
+                keep = matmul.fixed_config(n, k, dtype, device) if tiles_only else None
+                r = tune.tune_matmul(n, k, dtype, device, counts, tiles_at, keep)
                 entries[matmul.shape_key(n, k, dtype)] = r["config"]
             row = {"shape": label, "kind": kind, "n": n, "k": k, **r,
                    "tune_s": round(time.perf_counter() - t0, 1)}  # fmt: skip
             results.append(row)
-            print(f"{label} {kind} {n}x{k}: {r['config']} cost {r['relative_cost']} "
-                  f"us {r['us']} heuristic {r['heuristic_us']} torch {r.get('torch_us')}",
-                  flush=True)  # fmt: skip
+            print(f"{label} {kind} {n}x{k}: {r['config']} cost {r.get('relative_cost')} "
+                  f"us {r.get('us')} heuristic {r.get('heuristic_us')} torch "
+                  f"{r.get('torch_us')} tiles {r['tiles_us']}", flush=True)  # fmt: skip
             # after each shape, so a cut-off run keeps what it tuned
             path = configs.write_entries(matmul.TABLE, configs.device_key(device), entries,
                                          tuned_dir)  # fmt: skip
             write_result(name, {"preset": preset, "rows": list(counts), "results": results})
-    payload = {"preset": preset, "rows": list(counts), "results": results,
+    payload = {"preset": preset, "rows": list(counts), "tile_rows": list(tiles_at),
+               "tiles_only": tiles_only, "results": results,
                "tune_s": round(time.perf_counter() - start, 1), "table": str(path)}  # fmt: skip
     print(f"wrote {write_result(name, payload)} and {path}")
 

@@ -77,6 +77,27 @@ def clear_stored(op: str | None = None) -> None:
         _stored.pop(op, None)
 
 
+# The keys a row-count tile entry may set: a batch-invariant kernel's row bits do not depend
+# on them (BLOCK_K, the K split and the operand orientation stay the shape's).
+TILE_KEYS = frozenset({"BLOCK_M", "BLOCK_N", "num_warps", "num_stages"})
+
+
+def with_row_tiles(cfg: dict, m: int) -> dict:
+    """`cfg` for an M-row call. A fixed (batch-invariant) entry may carry "TILES": row count
+    -> tiles measured at that count; a call takes those of the smallest count >= M, and
+    the entry's own tiles above the largest. The "TILES" key itself is dropped."""
+    tiles = cfg.get("TILES")
+    if tiles is None:
+        return cfg
+    out = {key: value for key, value in cfg.items() if key != "TILES"}
+    fits = [int(rows) for rows in tiles if int(rows) >= m]
+    if fits:
+        chosen = tiles[str(min(fits))]
+        assert set(chosen) <= TILE_KEYS, f"row tiles may set only {sorted(TILE_KEYS)}: {chosen}"
+        out.update(chosen)
+    return out
+
+
 def write_entries(op: str, device: str, entries: dict[str, dict], out_dir: Path) -> Path:
     """Write out_dir/<op>.json: the committed table of `op` with `entries` (shape key ->
     config) merged in under `device` (a device_key). Copy it into CONFIG_DIR to keep it;

@@ -118,7 +118,8 @@ def default_config(m: int, n: int, k: int, device: torch.device, native_fp8: boo
 def fixed_config(n: int, k: int, device: torch.device) -> dict:
     """A config chosen from N and K alone, for callers that need a row's bits not to depend
     on how many rows it is computed with: the tuned one for this device
-    (kernels/tune/invariant_linear.py), else heuristic_fixed_config."""
+    (kernels/tune/invariant_linear.py), else heuristic_fixed_config. Its "TILES" (tiles
+    by row count, which no row's bits depend on) are applied by fp8_block_linear."""
     return configs.lookup(FIXED_TABLE, f"fp8_N{n}_K{k}", device) or heuristic_fixed_config(
         n, k, device
     )
@@ -191,6 +192,7 @@ def fp8_block_linear(
     if m == 0:
         return x.new_empty((*lead, n))
     cfg = dict(config) if config is not None else choose_config(m, n, k, x.device, native_fp8)
+    cfg = configs.with_row_tiles(cfg, m)
     if cfg.get("KERNEL", "dot") == "gemv":
         assert not native_fp8, "the GEMV kernel multiplies in float32: no native FP8 path"
         return fp8_gemv(x2, weight, scale, cfg).reshape(*lead, n)

@@ -56,13 +56,17 @@ def heuristic_config(n: int, k: int, dtype: torch.dtype, device: torch.device) -
 
 def launch_config(cfg: dict, m: int, dtype: torch.dtype) -> dict:
     """The launch of `cfg` (fixed_config's) for an M-row call. A row's bits depend only on
-    BLOCK_K and the K split (see _k_range), so at LARGE_M rows and more, where the row
-    tiles alone fill the GPU, the tiles grow to LARGE_TILES and each program sums its
-    row tile's K splits itself (INLINE), in the order split_sum_kernel would: the same bits
-    without the float32 partials' write and read. float32 (the IEEE dot, no tensor cores)
-    keeps its tiles."""
-    if m < LARGE_M or dtype == torch.float32 or cfg.get("INLINE"):
+    BLOCK_K and the K split (see _k_range), so below LARGE_M rows the tiles are the ones
+    the tuner measured at the nearest row count (the entry's "TILES", configs.with_row_tiles),
+    and at LARGE_M rows and more, where the row tiles alone fill the GPU, they grow to
+    LARGE_TILES and each program sums its row tile's K splits itself (INLINE), in the order
+    split_sum_kernel would: the same bits without the float32 partials' write and read.
+    float32 (the IEEE dot, no tensor cores) keeps its row-count tiles at every M."""
+    if cfg.get("INLINE"):
         return cfg
+    if m < LARGE_M or dtype == torch.float32:
+        return configs.with_row_tiles(cfg, m)
+    cfg = {key: value for key, value in cfg.items() if key != "TILES"}
     return {**cfg, **LARGE_TILES, "INLINE": int(cfg["SPLIT_K"] > 1)}
 
 
@@ -107,7 +111,10 @@ def _launch(
     out = torch.empty((s, m, n), dtype=out_dtype, device=a.device)
     if out.numel() == 0:
         return out
-    cfg = config or launch_config(fixed_config(n, k, a.dtype, a.device), m, a.dtype)
+    if config is not None:
+        cfg = configs.with_row_tiles(config, m)
+    else:
+        cfg = launch_config(fixed_config(n, k, a.dtype, a.device), m, a.dtype)
     split, inline = cfg["SPLIT_K"], cfg.get("INLINE", 0)
     separate = split > 1 and not inline  # the partials summed by split_sum_kernel
     part = torch.empty((split, s, m, n), dtype=torch.float32, device=a.device) if separate else out
