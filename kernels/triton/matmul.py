@@ -64,9 +64,9 @@ def launch_config(cfg: dict, m: int, dtype: torch.dtype) -> dict:
     float32 (the IEEE dot, no tensor cores) keeps its row-count tiles at every M."""
     if cfg.get("INLINE"):
         return cfg
+    cfg = configs.with_row_tiles(cfg, m)
     if m < LARGE_M or dtype == torch.float32:
-        return configs.with_row_tiles(cfg, m)
-    cfg = {key: value for key, value in cfg.items() if key != "TILES"}
+        return cfg
     return {**cfg, **LARGE_TILES, "INLINE": int(cfg["SPLIT_K"] > 1)}
 
 
