@@ -17,7 +17,7 @@ import pytest
 
 from tests.batchgen.conftest import sentence_rows, write_job, write_parquet
 
-ROWS = 24
+ROWS = 12
 _CLI = [sys.executable, "-c", "from batchgen.cli import main; main()"]
 
 
@@ -44,7 +44,7 @@ def _job(model: str, tmp_path: Path, name: str, max_num_seqs: int, batched: int)
                 "max_num_seqs": max_num_seqs,
                 "max_num_batched_tokens": batched,
             },
-            "output": {"path": str(tmp_path / name), "rows_per_part": 4},
+            "output": {"path": str(tmp_path / name), "rows_per_part": 2},
         },
     )
 
@@ -83,7 +83,7 @@ def test_texts_equal_across_batch_sizes_and_a_kill_and_resume(model, tmp_path):
     proc.send_signal(signal.SIGKILL)
     proc.wait()
     committed = _parts(tmp_path / "small")
-    assert committed * 4 < ROWS, "the job finished before it could be killed"
+    assert committed * 2 < ROWS, "the job finished before it could be killed"
     rerun = subprocess.run([*_CLI, "run", str(small)], capture_output=True, text=True, timeout=400)
     assert rerun.returncode == 0, rerun.stdout + rerun.stderr
     assert _texts(tmp_path / "small") == want
