@@ -126,3 +126,18 @@ def test_row_tiles_are_kept_only_if_every_row_count_they_serve_keeps_its_bits(mo
     tiles, report = invariant_linear._tune_tiles(own, (1, 8), [None], call)
     assert tiles == {"1": dict(BLOCK_M=16, BLOCK_N=16, num_warps=4, num_stages=4)}
     assert report[8]["serves_rows"] == [2, 8] and report[8]["candidates_with_other_bits"] == 3
+
+
+def test_the_shape_config_is_kept_only_if_every_row_keeps_its_bits_at_every_row_count():
+    # a stand-in kernel whose sixth row changes with the row count: rows 0-3 alone agree
+    from kernels.tune import invariant_linear
+
+    def call(cfg, m, w):
+        out = torch.arange(m, dtype=torch.float32)
+        if m > 5 and cfg["SPLIT_K"] == 2:
+            out[5] += m
+        return out
+
+    ok = dict(BLOCK_M=16, BLOCK_N=64, BLOCK_K=64, SPLIT_K=1, num_warps=4, num_stages=3)
+    assert invariant_linear._invariant(ok, (1, 8, 64), [None], call)
+    assert not invariant_linear._invariant(dict(ok, SPLIT_K=2), (1, 8, 64), [None], call)
