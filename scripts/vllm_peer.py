@@ -1,6 +1,14 @@
 """vLLM's side of `batchgen bench peer`: the same workloads (batchgen/bench/peer_workloads.py)
 and timing protocol on vLLM's offline LLM.generate, over a random-weight (`load_format=
-"dummy"`) Moonlight-16B-A3B-shaped DeepSeek-V3 config, bf16 or FP8 block-scaled + MXFP4.
+"dummy"`) Moonlight-16B-A3B-shaped DeepSeek-V3 config, bf16 or FP8 block-scaled + MXFP4, or
+over a checkpoint on disk (`--model DIR`, e.g. `batchgen models make-random --preset
+moonlight-16b-a3b DIR`, which `bench peer --model DIR` reads too).
+
+The checkpoint matters for a MoE model: vLLM's dummy loader draws every tensor, norm weights
+and the router's correction bias included, uniform in +-1e-3, so the router's scores hardly
+vary from token to token, the bias alone picks the experts, and every token of a batch goes
+to the same ~6 experts a layer (docs/notes-vllm-peer.md). A trained model's routing is
+spread; make-random's is too, so the same checkpoint on both engines compares equal work.
 Writes rows of the same schema (engine "vllm"). On the GPU machine, with vLLM installed as
 ../shared/tools/vllm-anchor/README.md says:
     source payload/tools/env.sh; python3 scripts/vllm_peer.py --workload short --out v.json
@@ -42,6 +50,7 @@ def main() -> None:
     ap.add_argument("--batches", default="1,8,32,128,256,512,1024")
     ap.add_argument("--requests", type=int, default=512)
     ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--model", default=None, help="a bf16 checkpoint dir (else dummy weights)")
     ap.add_argument("--out", required=True)
     a = ap.parse_args()
     batches = [int(b) for b in a.batches.split(",")]
@@ -55,15 +64,20 @@ def main() -> None:
         cfg["quantization_config"] = dict(quant_method="fp8", activation_scheme="dynamic",
                                           fmt="e4m3", weight_block_size=[128, 128],
                                           store_dtype="mxfp4")  # fmt: skip
-    model_dir = tempfile.mkdtemp(prefix="moonlight-")
-    with open(os.path.join(model_dir, "config.json"), "w") as f:
-        json.dump(cfg, f)
+    if a.model:
+        if a.quant != "none":
+            sys.exit("--model takes the checkpoint's own format: leave --quant out")
+        model_dir, load_format = a.model, "auto"
+    else:
+        model_dir, load_format = tempfile.mkdtemp(prefix="moonlight-"), "dummy"
+        with open(os.path.join(model_dir, "config.json"), "w") as f:
+            json.dump(cfg, f)
 
     import vllm
     from vllm import LLM, SamplingParams
 
     t0 = time.time()
-    llm = LLM(model=model_dir, load_format="dummy", skip_tokenizer_init=True,
+    llm = LLM(model=model_dir, load_format=load_format, skip_tokenizer_init=True,
               max_model_len=shape["longest_request"] + 16,
               max_num_seqs=max(batches) if a.workload == "short" else 1024,
               gpu_memory_utilization=0.85, seed=0)  # fmt: skip
@@ -104,7 +118,16 @@ def main() -> None:
                      "t_prefill1_s": t1})  # fmt: skip
         print(json.dumps(rows[-1]), flush=True)
     with open(a.out, "w") as f:
-        json.dump({"engine_up_s": up, "workload": a.workload, "results": rows}, f, indent=1)
+        json.dump(
+            {
+                "engine_up_s": up,
+                "workload": a.workload,
+                "weights_source": a.model or "dummy",
+                "results": rows,
+            },
+            f,
+            indent=1,
+        )
 
 
 if __name__ == "__main__":
