@@ -6,6 +6,8 @@ from dataclasses import dataclass, field, fields
 
 import torch
 
+from engine.expert_placement import HOST_COMPUTE
+
 _DTYPES = {
     "float32": torch.float32,
     "fp32": torch.float32,
@@ -102,6 +104,10 @@ class EngineConfig:
     # "auto" keeps the most routed experts on the GPU by.
     expert_offload: str = "off"
     expert_routing_stats: str | None = None
+    # How a step computes the host experts (engine/expert_placement.py HOST_COMPUTE):
+    # "cpu" (where they live), or "pcie" (copied to the GPU when routed to: the slow way,
+    # for benchmarks; its decode steps are not captured as graphs).
+    expert_offload_compute: str = "cpu"
     # Full KV blocks are shared by content between sequences whose tokens start the same
     # way (engine/prefix_cache.py): a shared prompt prefix, and n > 1 completions, are
     # computed once. Outputs are the same either way. Models with fixed per-sequence
@@ -144,6 +150,11 @@ class EngineConfig:
             raise ValueError(f"min_prefill_seqs must be >= 1 or None, got {self.min_prefill_seqs}")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise ValueError(f"unknown dtype {self.dtype!r}; use auto or one of {sorted(_DTYPES)}")
+        if self.expert_offload_compute not in HOST_COMPUTE:
+            raise ValueError(
+                f"expert_offload_compute must be one of {HOST_COMPUTE}, got "
+                f"{self.expert_offload_compute!r}"
+            )
 
     def resolved_device(self) -> torch.device:
         if self.device == "auto":

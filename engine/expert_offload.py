@@ -8,6 +8,7 @@ memory, less the dense weights and the reserves below, to as many experts as fit
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import sys
 
@@ -78,10 +79,17 @@ def choose_placement(engine_config, model_cls, source, device: torch.device, dty
     else:
         placement = load_placement(mode)
         placement.check(shapes, f"expert placement {mode}")
-    on_gpu_run = placement.offloads and device.type == "cuda"
+    compute = engine_config.expert_offload_compute
+    if compute == "pcie" and device.type != "cuda":
+        raise ValueError(
+            f"expert_offload_compute='pcie' copies host experts to a GPU; the device is {device}"
+        )
+    placement = dataclasses.replace(placement, compute=compute)
+    on_gpu_run = placement.offloads and device.type == "cuda" and compute == "cpu"
     threads = _give_the_cores_to_the_host_experts() if on_gpu_run else {}
     summary = placement.summary(shapes, routes) | threads
     summary["mode"] = "auto" if mode == "auto" else "file"
+    summary["compute"] = compute
     summary["dense_bytes"] = dense
     share = summary["expected_host_route_share"]
     log.info(

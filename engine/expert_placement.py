@@ -27,6 +27,11 @@ from pathlib import Path
 
 PLACEMENT_VERSION = 1
 
+# How host experts are computed (EngineConfig.expert_offload_compute): "cpu", by the CPU
+# kernel where they live (the design); "pcie", copied to the GPU each step that routes to
+# them and computed there (the way this design replaces, kept to measure against).
+HOST_COMPUTE = ("cpu", "pcie")
+
 
 @dataclass(frozen=True)
 class MoeLayerShape:
@@ -40,9 +45,11 @@ class MoeLayerShape:
 
 @dataclass(frozen=True)
 class ExpertPlacement:
-    """layer index -> the expert ids computed on the host (sorted; absent: none)."""
+    """layer index -> the expert ids kept on the host (sorted; absent: none), and how a
+    step computes them (`compute`, one of HOST_COMPUTE)."""
 
     host: dict[int, tuple[int, ...]] = field(default_factory=dict)
+    compute: str = "cpu"
 
     def host_experts(self, layer: int) -> tuple[int, ...]:
         return self.host.get(layer, ())

@@ -1,8 +1,11 @@
 """Expert offload on the GPU machine (issue 24): correctness of the split against all-GPU
-on a tiny model, then decode speed of V4-Flash layers with a share of their experts on the
-host CPU against all on the GPU. Writes offload-<name>.json to $BATCHGEN_BENCH_DIR.
+on a tiny model, then decode speed of V4-Flash (or Moonlight) layers with a share of their
+experts on the host against all on the GPU, the host experts computed by the CPU or
+(`--computes cpu,pcie`) copied to the GPU when used. FP8 + MXFP4 weights drawn in memory.
+Writes offload-<name>.json to $BATCHGEN_BENCH_DIR.
 
-    python scripts/gpu_offload_check.py [--layers 4] [--batches 1,8,64] [--shares 0,0.125,0.5]
+    python scripts/gpu_offload_check.py [--preset v4-flash|moonlight-16b-a3b] [--layers 4]
+        [--batches 1,8,64] [--shares 0,0.125,0.5] [--computes cpu,pcie]
 """
 
 from __future__ import annotations
@@ -73,71 +76,76 @@ def correctness(work: Path, dtypes) -> dict:
     return out
 
 
-def decode_speed(work: Path, layers: int, batches, shares, new_tokens: int) -> list[dict]:
+MODELS = {"v4-flash": "deepseek_v4", "moonlight-16b-a3b": "deepseek_v3"}
+
+
+def decode_speed(work: Path, preset: str, layers, batches, shares, computes,
+                 new_tokens: int) -> list[dict]:  # fmt: skip
+    from batchgen.bench import offload_figures as offload
     from batchgen.bench.decode_moe import random_model
+    from engine.loader.random_source import parse_random_spec
 
-    path = random_model("deepseek_v4", "v4-flash", layers, "fp8-mxfp4")  # drawn on the GPU
-    from engine.deepseek_v4_checkpoint import plan
-
-    config, _ = plan("v4-flash", layers, "fp8", "mxfp4", mtp=False)
-    moe = list(range(config["num_hidden_layers"]))
+    arch = MODELS[preset]
+    path = random_model(arch, preset, layers, "fp8-mxfp4")  # drawn on the GPU
+    config = parse_random_spec(path).checkpoint.config()
+    first_moe = config.get("first_k_dense_replace", 0)
+    moe = list(range(first_moe, config["num_hidden_layers"]))
     rows = []
     for share in shares:
-        options = {}
-        if share == "auto":
-            options["expert_offload"] = "auto"
-        elif share:
-            placement = work / f"placement-{share}.json"
-            every_nth_on_host(moe, config["n_routed_experts"], share, placement)
-            options["expert_offload"] = str(placement)
-        t0 = time.perf_counter()
-        llm = LLM(str(path), device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
-                  max_num_batched_tokens=16384, max_model_len=128 + new_tokens + 16,
-                  batch_invariant=False, kv_cache_memory=8 << 30, **options)  # fmt: skip
-        load_s = time.perf_counter() - t0
-        vocab = llm.engine.runner.model.config.vocab_size
-        for batch in batches:
-            gen = torch.Generator().manual_seed(batch)
-            prompts = [
-                torch.randint(0, vocab, (128,), generator=gen).tolist() for _ in range(batch)
-            ]
-            timings = {}
-            for n in (1, new_tokens):
-                params = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True)
-                          for i in range(batch)]  # fmt: skip
-                llm.generate(prompts, params)  # warm
-                splits = [m.ops.split for m in moe_layers(llm) if getattr(m.ops, "split", None)]
-                for s in splits:
-                    s.times.reset()
-                torch.cuda.synchronize()
-                t = time.perf_counter()
-                llm.generate(prompts, params)
-                torch.cuda.synchronize()
-                timings[n] = time.perf_counter() - t
-            step_s = (timings[new_tokens] - timings[1]) / (new_tokens - 1)
-            row = {"host_share": share, "batch": batch, "load_s": round(load_s, 1),
-                   "decode_tok_s": round(batch / step_s, 1), "step_ms": round(step_s * 1e3, 3),
-                   "cuda_graphs": llm.engine.runner.graphs is not None}  # fmt: skip
-            if splits:
-                calls = sum(s.times.calls for s in splits)
-                steps = calls / len(splits)
-                row |= {
-                    "host_wait_ms_per_step": round(sum(s.times.wait_s for s in splits) / steps * 1e3, 3),
-                    "host_cpu_ms_per_step": round(sum(s.times.cpu_s for s in splits) / steps * 1e3, 3),
-                    "host_pairs_per_step": round(sum(s.times.pairs for s in splits) / steps, 2),
-                    "placement": llm.expert_placement | {"layers": None},
-                }  # fmt: skip
-            print(json.dumps(row), flush=True)
-            rows.append(row)
-        del llm, splits
-        gc.collect()
-        torch.cuda.empty_cache()
+        for compute in computes if share else ("cpu",):
+            options = {"expert_offload_compute": compute}
+            if share == "auto":
+                options["expert_offload"] = "auto"
+            elif share:
+                placement = work / f"placement-{share}.json"
+                every_nth_on_host(moe, config["n_routed_experts"], share, placement)
+                options["expert_offload"] = str(placement)
+            t0 = time.perf_counter()
+            llm = LLM(path, device="cuda", dtype="bfloat16", max_num_seqs=max(batches),
+                      max_num_batched_tokens=16384, max_model_len=128 + new_tokens + 16,
+                      batch_invariant=False, kv_cache_memory=8 << 30, **options)  # fmt: skip
+            load_s = time.perf_counter() - t0
+            rows += _measure(llm, offload, share, compute, batches, new_tokens, load_s)
+            del llm
+            gc.collect()
+            torch.cuda.empty_cache()
+    return rows
+
+
+def _measure(llm, offload, share, compute, batches, new_tokens, load_s) -> list[dict]:
+    vocab = llm.engine.runner.model.config.vocab_size
+    rows = []
+    for batch in batches:
+        gen = torch.Generator().manual_seed(batch)
+        prompts = [torch.randint(0, vocab, (128,), generator=gen).tolist() for _ in range(batch)]
+        timings = {}
+        for n in (1, new_tokens):
+            params = [SamplingParams(temperature=1.0, seed=i, max_tokens=n, ignore_eos=True)
+                      for i in range(batch)]  # fmt: skip
+            llm.generate(prompts, params)  # warm
+            offload.reset(llm)
+            torch.cuda.synchronize()
+            t = time.perf_counter()
+            llm.generate(prompts, params)
+            torch.cuda.synchronize()
+            timings[n] = time.perf_counter() - t
+        step_s = (timings[new_tokens] - timings[1]) / (new_tokens - 1)
+        row = {"host_share": share, "compute": compute, "batch": batch, "load_s": round(load_s, 1),
+               "decode_tok_s": round(batch / step_s, 1), "step_ms": round(step_s * 1e3, 3),
+               "cuda_graphs": llm.engine.runner.graphs is not None}  # fmt: skip
+        host = offload.host_step(llm, batch)  # the last generate's decode steps
+        if host is not None:
+            row |= {"host": host, "placement": llm.expert_placement | {"layers": None}}
+        print(json.dumps(row), flush=True)
+        rows.append(row)
     return rows
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--preset", choices=sorted(MODELS), default="v4-flash")
+    ap.add_argument("--layers", type=int, default=4, help="0: all")
+    ap.add_argument("--computes", default="cpu", help="cpu, pcie or both (comma-separated)")
     ap.add_argument("--batches", default="1,8,64")
     ap.add_argument("--shares", default="0,0.125,0.5", help="host shares, or auto")
     ap.add_argument("--new-tokens", type=int, default=32)
@@ -156,7 +164,8 @@ def main() -> None:
             result["correctness"] = correctness(work, a.dtypes.split(","))
         batches = [int(b) for b in a.batches.split(",")]
         shares = [s if s == "auto" else float(s) for s in a.shares.split(",")]
-        result["decode"] = decode_speed(work, a.layers, batches, shares, a.new_tokens)
+        result["decode"] = decode_speed(work, a.preset, a.layers or None, batches, shares,
+                                        a.computes.split(","), a.new_tokens)  # fmt: skip
     (out_dir / f"offload-{a.name}.json").write_text(json.dumps(result, indent=1) + "\n")
 
 

@@ -54,6 +54,7 @@ from pathlib import Path
 import click
 import torch
 
+from batchgen.bench import offload_figures as offload
 from batchgen.bench.common import write_result
 from batchgen.bench.v4_roofline import DecodeReads, extrapolate_step_ms
 from engine.config import FP8_NATIVE_MIN_TOKENS
@@ -834,18 +835,24 @@ class LayerClock:
 
 
 def v4_layer_ms(
-    llm, batch: int, prompt_len: int, new_tokens: int, vocab: int, sampling: dict
-) -> tuple[dict, list[float], float, str]:
+    llm, batch: int, prompt_len: int, new_tokens: int, vocab: int, sampling: dict,
+    after_measured: Callable[[dict], None] | None = None,
+) -> tuple[dict, list[float], float, str]:  # fmt: skip
     """Decode figures of `batch` sequences, each layer's ms in eager decode steps, the
     median ms of those steps, and where the layers were timed. When decode steps replay
-    CUDA graphs (which hooks do not see), the layers are timed in separate eager steps."""
+    CUDA graphs (which hooks do not see), the layers are timed in separate eager steps.
+    `after_measured` is called with the measured run's figures before any other step."""
     runner = llm.engine.runner
     with LayerClock(runner.model.layers, runner.device) as clock:
         if runner.graphs is None:
             r = run_engine_batch(llm, batch, prompt_len, new_tokens, vocab, sampling, clock)
             eager, where = r, "the measured decode steps (eager)"
+            if after_measured is not None:
+                after_measured(r)
         else:
             r = run_engine_batch(llm, batch, prompt_len, new_tokens, vocab, sampling)
+            if after_measured is not None:
+                after_measured(r)
             graphs, runner.graphs = runner.graphs, None
             try:
                 eager = run_engine_batch(
@@ -937,9 +944,11 @@ def bench_v4(
     model_name: str, weights: str, batches: tuple[int, ...], prompt_len: int, new_tokens: int,
     copy_bps: float, reads: DecodeReads, full_reads: DecodeReads, device: torch.device,
     dtype: str, engine_options: dict, sampling: dict, info: dict, on_row: Callable[[dict], None],
+    profile: bool = True,
 ) -> None:  # fmt: skip
     """Load `model_name` (a `random:` spec) and measure each batch, handing each row to
-    `on_row` as it is measured; `info` (the run's engine_info entry) is filled as it goes."""
+    `on_row` as it is measured; `info` (the run's engine_info entry) is filled as it goes;
+    `profile`: then profile a batch-1 decode step (launches per step)."""
     from engine.llm import LLM
 
     t0 = time.perf_counter()
@@ -973,10 +982,29 @@ def bench_v4(
     ]  # fmt: skip
     vocab = int(reads.cfg.vocab_size)
     mean_context = prompt_len + new_tokens // 2
+    split = bool(offload.split_layers(llm))
+    if split:
+        info["expert_placement"] = llm.expert_placement | {"layers": None}
+        from batchgen.bench.cpu_experts import read_bandwidth  # numba, for split runs only
+
+        info["host_read_gb_s"] = read_bandwidth()
     for batch in batches:
-        r, *timing = v4_layer_ms(llm, batch, prompt_len, new_tokens, vocab, sampling)
+        host: dict = {}
+        if split:
+            offload.reset(llm)
+        r, *timing = v4_layer_ms(
+            llm, batch, prompt_len, new_tokens, vocab, sampling,
+            lambda _, host=host, batch=batch, llm=llm: host.update(
+                measured=offload.host_step(llm, batch) if split else None),
+        )  # fmt: skip
         row = {"weights": weights,
                **v4_batch_row(r, timing, batch, mean_context, copy_bps, reads, full_reads)}  # fmt: skip
+        if split:
+            row["offload"] = offload.offload_figures(
+                llm, batch, r["ms_per_step"], row["bytes_per_step"], copy_bps,
+                info["host_read_gb_s"] * 1e9, host["measured"], graph_replay_ms,
+            )  # fmt: skip
+            log(f"v4 {weights} batch {batch} offload: {row['offload']}")
         on_row(row)
         ext = row["extrapolated"]
         log(
@@ -985,18 +1013,19 @@ def bench_v4(
             f"{ext['layers']} layers (extrapolated): {ext['tok_s']:.1f} tok/s, "
             f"{ext['roofline_frac']:.1%} of roofline"
         )
-    modes = ("graph", "eager") if runner.graphs is not None else ("eager",)
-    profile = profile_decode_step(llm, prompt_len, vocab, batch=1, modes=modes)
-    info["profile_batch1"] = profile
-    info["launches_per_step_batch1"] = {
-        m: {
-            "host_kernel_launches": profile[m]["host_kernel_launches_per_step"],
-            "device_kernels": profile[m]["device_kernels_per_step"],
-            "graph_launches": profile[m]["graph_launches_per_step"],
+    if profile:
+        modes = ("graph", "eager") if runner.graphs is not None else ("eager",)
+        prof = profile_decode_step(llm, prompt_len, vocab, batch=1, modes=modes)
+        info["profile_batch1"] = prof
+        info["launches_per_step_batch1"] = {
+            m: {
+                "host_kernel_launches": prof[m]["host_kernel_launches_per_step"],
+                "device_kernels": prof[m]["device_kernels_per_step"],
+                "graph_launches": prof[m]["graph_launches_per_step"],
+            }
+            for m in modes
         }
-        for m in modes
-    }
-    log(f"v4 {weights}: launches per decode step at batch 1 {info['launches_per_step_batch1']}")
+        log(f"v4 {weights}: launches per decode step at batch 1 {info['launches_per_step_batch1']}")
     del llm, runner, model
     gc.collect()
     if device.type == "cuda":
@@ -1015,9 +1044,12 @@ def run_v4(
     sampling: dict | None = None,
     device: str = "cuda",
     dtype: str = "bfloat16",
+    pcie_batches: tuple[int, ...] = (),
 ) -> dict:
     """The V4 benchmark (module docstring); returns what it writes to <name>.json.
-    `sampling`: SamplingParams fields of the measured requests (default V4_SAMPLING)."""
+    `sampling`: SamplingParams fields of the measured requests (default V4_SAMPLING).
+    `pcie_batches`: with expert offload, the same model again at these batches with its
+    host experts copied to the GPU when used (expert_offload_compute "pcie")."""
     from engine.deepseek_v4_checkpoint import plan
     from engine.models.deepseek_v4_config import DeepseekV4ModelConfig
 
@@ -1047,15 +1079,22 @@ def run_v4(
             f"ratio {m}": prompt_len // m for m in sorted(set(cfg.compress_ratios) - {0})
         }
         model_name = random_model("deepseek_v4", preset, layers, w)
-        info = payload["engine_info"][w] = {}
+        passes = [("cpu", batches, True), ("pcie", pcie_batches, False)]
+        for compute, pass_batches, profile in passes:
+            if not pass_batches:
+                continue
+            info = payload["engine_info"][w if compute == "cpu" else f"{w} pcie"] = {}
 
-        def add_row(row: dict, info: dict = info) -> None:
-            payload["results"].append(row)
-            payload["cuda_graphs"] = info["cuda_graphs"]
-            write_result(name, payload)  # after each batch, so a cut-off run keeps its numbers
+            def add_row(row: dict, info: dict = info, compute: str = compute) -> None:
+                payload["results"].append(row | {"host_compute": compute})
+                if compute == "cpu":
+                    payload["cuda_graphs"] = info["cuda_graphs"]
+                write_result(name, payload)  # after each batch: a cut-off run keeps its rows
 
-        bench_v4(model_name, w, batches, prompt_len, new_tokens, copy_bps, DecodeReads(cfg),
-                 DecodeReads(full_cfg), dev, dtype, engine_options or {}, sampling, info, add_row)  # fmt: skip
+            options = (engine_options or {}) | {"expert_offload_compute": compute}
+            bench_v4(model_name, w, pass_batches, prompt_len, new_tokens, copy_bps,
+                     DecodeReads(cfg), DecodeReads(full_cfg), dev, dtype, options, sampling,
+                     info, add_row, profile)  # fmt: skip
     path = write_result(name, payload)
     print_v4_tables(payload)
     log(f"wrote {path}")
@@ -1156,13 +1195,16 @@ ARCH_DEFAULTS = {
     default=None,
     help="A `bench routing --out` file that --expert-offload auto ranks experts by.",
 )
+@click.option("--pcie-batches", default="",
+              help="With --expert-offload: then these batches (e.g. 1,8) with the host experts "
+                   "copied to the GPU when used, the way offloading to the CPU replaces (V4).")  # fmt: skip
 @click.option("--temperature", type=float, default=None,
               help="Our engine's requests: 0 is greedy. Default 1.0: greedy decoding of random "
                    "weights emits one token per row and routing collapses onto a few experts "
                    "(transformers stays greedy).")  # fmt: skip
 @click.option("--top-p", type=float, default=1.0, show_default=True)
 def command(arch, preset, layers, weights, batches, hf_batches, prompt_len, new_tokens, workdir,
-            in_memory, name, temperature, top_p, **engine_options):  # fmt: skip
+            in_memory, name, temperature, top_p, pcie_batches, **engine_options):  # fmt: skip
     """Decode tok/s of a DeepSeek MoE on the GPU vs the roofline (V3: and vs transformers)."""
     if in_memory and hf_batches is None:
         hf_batches = ""  # transformers reads files; an in-memory model has none
@@ -1195,9 +1237,11 @@ def command(arch, preset, layers, weights, batches, hf_batches, prompt_len, new_
     if not torch.cuda.is_available():
         raise click.UsageError("bench decode-moe needs a CUDA GPU")
     n = config["num_hidden_layers"]
+    if _ints(pcie_batches) and engine_options["expert_offload"] == "off":
+        raise click.BadParameter("--pcie-batches needs --expert-offload (auto or a file)")
     run_v4(o["preset"], o["layers"], chosen, _ints(batches), o["prompt_len"], o["new_tokens"],
            o["name"] or f"decode-h200-v4-{o['preset']}-{n}l", engine_options,
-           sampling or {"temperature": 0.0})  # fmt: skip
+           sampling or {"temperature": 0.0}, pcie_batches=_ints(pcie_batches))  # fmt: skip
 
 
 if __name__ == "__main__":

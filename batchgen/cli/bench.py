@@ -18,7 +18,14 @@ _COMMAND_NAMES = {"ray_executor": "ray"}
 
 def _modules() -> dict[str, str]:
     """Command name -> module name, for every bench module that is not a helper."""
-    helpers = {"common", "tiny_llama", "v4_roofline", "peer_workloads", "prefix_workloads"}
+    helpers = {
+        "common",
+        "tiny_llama",
+        "v4_roofline",
+        "peer_workloads",
+        "prefix_workloads",
+        "offload_figures",
+    }
     return {
         _COMMAND_NAMES.get(info.name, info.name.replace("_", "-")): info.name
         for info in pkgutil.iter_modules(bench_pkg.__path__)

@@ -14,6 +14,10 @@ built) and keeps it as `compute_dtype`: in a float32 model MXFP4 experts take fl
 activations (exact weights, float32 dots), so a split model computes what the all-device
 one does up to float32 rounding; in bf16 models they take int8 activations (the fast mode,
 well inside bf16's own rounding).
+
+With `compute` "pcie" the experts are kept instead as stored, stacked as the GPU's fused
+kernels read them, in pinned memory (engine/layers/pinned_experts.py), for a CUDA step to
+copy over and compute there; such a store has no CPU forward.
 """
 
 from __future__ import annotations
@@ -39,7 +43,9 @@ class HostExpertStore:
         intermediate_size: int,
         format_name: str,
         prefix: str,
+        compute: str = "cpu",
     ) -> None:
+        from engine.layers.pinned_experts import PinnedStoredExperts
         from kernels.cpu.host_experts import HostFp8Experts, HostMxfp4Experts
 
         if format_name != "mxfp4" and not format_name.startswith("fp8_block"):
@@ -55,10 +61,14 @@ class HostExpertStore:
             self.slot_of[expert] = slot
         self._slot_of_numpy = self.slot_of.numpy()  # the kernel's view of the same memory
         self.compute_dtype = torch.get_default_dtype()
-        kind = HostMxfp4Experts if format_name == "mxfp4" else HostFp8Experts
-        self.kernel_store = kind.allocate(len(self.expert_ids), hidden_size, intermediate_size)
-        if kind is HostMxfp4Experts:
-            self.kernel_store.float32_activations = self.compute_dtype == torch.float32
+        self.compute = compute
+        if compute == "pcie":
+            self.kernel_store = PinnedStoredExperts(len(self.expert_ids))
+        else:
+            kind = HostMxfp4Experts if format_name == "mxfp4" else HostFp8Experts
+            self.kernel_store = kind.allocate(len(self.expert_ids), hidden_size, intermediate_size)
+            if kind is HostMxfp4Experts:
+                self.kernel_store.float32_activations = self.compute_dtype == torch.float32
         self.last_pairs = 0  # (token, expert) pairs the last `forward` computed
         # global expert -> role -> leaf -> staged stored tensor, until the expert is complete
         self._staged: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
@@ -75,6 +85,11 @@ class HostExpertStore:
         tensors): one kernel call (kernels/cpu/host_experts.py host_experts_routed)."""
         from kernels.cpu.host_experts import host_experts_routed
 
+        if self.compute != "cpu":
+            raise RuntimeError(
+                f"{self.prefix}: host experts kept for copying to the GPU "
+                f"(expert_offload_compute={self.compute!r}) have no CPU forward"
+            )
         self.last_pairs = host_experts_routed(
             self.kernel_store, self._slot_of_numpy, x, ids, weights, swiglu_limit, out
         )

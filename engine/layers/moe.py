@@ -122,6 +122,7 @@ class RoutedExperts(nn.Module):
         prefix: str,
         swiglu_limit: float | None = None,
         host_ids: tuple[int, ...] = (),
+        host_compute: str = "cpu",
     ) -> None:
         super().__init__()
         D, I, E = hidden_size, intermediate_size, num_experts
@@ -133,7 +134,7 @@ class RoutedExperts(nn.Module):
             for role, shape in (("gate_proj", (D, I)), ("up_proj", (D, I)), ("down_proj", (I, D)))
         }
         self.host = (
-            HostExpertStore(host_ids, E, D, I, formats["gate_proj"].name, prefix)
+            HostExpertStore(host_ids, E, D, I, formats["gate_proj"].name, prefix, host_compute)
             if host_ids
             else None
         )
@@ -178,6 +179,7 @@ class DeepseekMoE(nn.Module, DeviceLayer):
             f"{prefix}.experts",
             swiglu_limit,
             building_placement().host_experts(layer_index),
+            building_placement().compute,
         )
         self.shared_experts = (
             SwiGluMlp(

@@ -420,3 +420,37 @@ def test_batch_invariant_cuda_ops_give_a_sequence_the_same_logits_however_it_is_
     assert torch.equal(torch.cat(parts), whole)
     assert torch.equal(torch.cat(rows), whole)
     assert torch.equal(torch.cat(last), whole[6:])
+
+
+@pytest.mark.parametrize("tokens", [1, 5])
+def test_host_experts_copied_in_when_used_match_all_device(tmp_path, tokens):
+    # expert_offload_compute "pcie": the odd experts kept pinned in their stored format,
+    # copied to a staging stack when routed to, and computed by the same fused kernels
+    from engine.backends.cuda.copied_experts import CopiedExperts
+    from engine.expert_placement import ExpertPlacement, placing_experts
+
+    make_random_checkpoint(tmp_path, preset="tiny", expert_dtype="mxfp4", dense_dtype="fp8",
+                           seed=7, device="cpu", mtp=False)  # fmt: skip
+    full = _bf16_model(tmp_path)
+    prepare_as_cuda(full, torch.bfloat16)
+    moe_full, _ = _first_moe(full)
+    experts = moe_full.experts.num_experts
+    odd = tuple(range(1, experts, 2))
+    host = {m.layer_index: odd for m in full.modules() if isinstance(m, DeepseekMoE)}
+    with placing_experts(ExpertPlacement(host, compute="pcie")):
+        split = _bf16_model(tmp_path)
+    prepare_as_cuda(split, torch.bfloat16)
+    moe_split, ops = _first_moe(split)
+    assert isinstance(ops.split, CopiedExperts) and not ops.captures_decode
+    store = moe_split.experts.host.kernel_store
+    gate = moe_full.experts.gate_proj.weight
+    assert torch.equal(store.w13[0, : gate.shape[1]], gate[1])  # expert 1 in host slot 0
+    gen = torch.Generator().manual_seed(2)
+    x = torch.randn(tokens, moe_full.gate.weight.shape[1], generator=gen).bfloat16()
+    want = moe_full(x).float()
+    got = moe_split(x).float()
+    call = ops.split.times.per_call(tokens)
+    assert call["calls"] == 1 and 0 < call["experts"] <= min(len(odd), tokens * 8)
+    assert call["bytes"] == call["experts"] * store.nbytes // len(odd)
+    assert call["pairs"] >= call["experts"]
+    assert relative_error(got, want) < 1e-2

@@ -23,8 +23,9 @@ it has none) with weight 0: it adds nothing and, in the common case, reads no ex
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from engine.backends.cuda.host_func import HostFunc
@@ -35,19 +36,49 @@ from engine.ops.moe import host_experts_part
 DECODE_BUFFER_MAX_TOKENS = 1024
 
 
-@dataclass
-class SplitTimes:
-    """Per layer, summed over calls: seconds the host waited for its inputs (`wait_s`,
-    eager calls), seconds computing its experts (`cpu_s`), (token, expert) pairs it
-    computed."""
+def device_pairs(
+    device_slot: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """(weights, slot ids) for the fused kernels on a layer's device experts, given
+    `device_slot` [E] (each global expert's device slot, -1 on the host): host pairs
+    weighted 0 and pointed at a device expert of their own token (module docstring). No
+    host sync."""
+    slot = device_slot[ids.long()]  # [T, K], -1: host
+    on_device = slot >= 0
+    fallback = slot.max(dim=1, keepdim=True).values.clamp(min=0)  # [T, 1]
+    slots = torch.where(on_device, slot, fallback).to(torch.int32)
+    return torch.where(on_device, weights, torch.zeros_like(weights)), slots
 
-    calls: int = 0
-    wait_s: float = 0.0
-    cpu_s: float = 0.0
-    pairs: int = 0
+
+@dataclass
+class HostCallTimes:
+    """One split layer's host work, summed per token count of the call (a decode step's
+    calls apart from prefill's): calls, seconds of the host's own work (the CPU kernel, or
+    the copies for CopiedExperts), seconds it waited for its inputs (eager calls), distinct
+    experts and (token, expert) pairs it served, bytes copied. Keyed by token count, so
+    its size is bounded by the step sizes a run meets."""
+
+    by_tokens: dict = field(
+        default_factory=dict
+    )  # tokens -> [calls, s, wait_s, experts, pairs, bytes]
+
+    def add(self, tokens: int, seconds: float, wait_s: float = 0.0, experts: int = 0,
+            pairs: int = 0, nbytes: int = 0) -> None:  # fmt: skip
+        row = self.by_tokens.setdefault(tokens, [0, 0.0, 0.0, 0, 0, 0])
+        for i, v in enumerate((1, seconds, wait_s, experts, pairs, nbytes)):
+            row[i] += v
+
+    def per_call(self, tokens: int) -> dict | None:
+        """Mean figures of the calls of `tokens` tokens (None: there were none)."""
+        row = self.by_tokens.get(tokens)
+        if not row:
+            return None
+        calls = row[0]
+        return {"calls": calls, "s": row[1] / calls, "wait_s": row[2] / calls,
+                "experts": row[3] / calls, "pairs": row[4] / calls, "bytes": row[5] / calls}  # fmt: skip
 
     def reset(self) -> None:
-        self.calls, self.wait_s, self.cpu_s, self.pairs = 0, 0.0, 0.0, 0
+        self.by_tokens.clear()
 
 
 class HostBuffers:
@@ -73,7 +104,9 @@ class SplitExperts:
     def __init__(self, experts, setup) -> None:
         self.experts = experts
         self.device = setup.device
-        self.times = SplitTimes()
+        self.times = HostCallTimes()
+        # True: host nodes return at once (a benchmark's GPU-only time of a step)
+        self.skip_host = False
         slot_of = experts.gate_proj.device_slot_of
         self.device_slot = torch.tensor(slot_of, dtype=torch.int32, device=self.device)
         self.num_device = len(experts.gate_proj.device_ids)
@@ -86,17 +119,12 @@ class SplitExperts:
     def device_pairs(
         self, weights: torch.Tensor, ids: torch.Tensor
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """(weights, slot ids) for the fused kernels: host pairs weighted 0 and pointed at
-        a device expert of their own token (module docstring). No host sync."""
-        slot = self.device_slot[ids.long()]  # [T, K], -1: host
-        on_device = slot >= 0
-        fallback = slot.max(dim=1, keepdim=True).values.clamp(min=0)  # [T, 1]
-        slots = torch.where(on_device, slot, fallback).to(torch.int32)
-        return torch.where(on_device, weights, torch.zeros_like(weights)), slots
+        return device_pairs(self.device_slot, weights, ids)
 
     def forward(self, x, weights, ids, device_experts) -> torch.Tensor:
         """The layer's output: `device_experts()` (the GPU's routed + shared experts,
         float32 [T, D]) on the side stream, plus the host's share."""
+        x = x.float()  # the host buffers' dtype
         main = torch.cuda.current_stream()
         self.side.wait_stream(main)
         with torch.cuda.stream(self.side):
@@ -124,13 +152,17 @@ class SplitExperts:
         self.shared_buffers[kind] = HostBuffers(t, d, k, self.device)
         return self.shared_buffers[kind]
 
-    def _compute(self, x, weights, ids, out) -> None:
+    def _compute(self, x, weights, ids, out, wait_s: float = 0.0) -> None:
+        if self.skip_host:
+            return
         t0 = time.perf_counter()
         host_experts_part(self.experts, x, weights, ids, out)
-        times = self.times
-        times.calls += 1
-        times.cpu_s += time.perf_counter() - t0
-        times.pairs += self.experts.host.last_pairs
+        seconds = time.perf_counter() - t0
+        host = self.experts.host
+        experts = int(np.count_nonzero(np.bincount(
+            host.slot_of.numpy()[ids.numpy().ravel()] + 1, minlength=len(host.expert_ids) + 1
+        )[1:]))  # fmt: skip
+        self.times.add(x.shape[0], seconds, wait_s, experts, host.last_pairs)
 
     def _host_in_stream(self, x, weights, ids) -> torch.Tensor:
         """Copies to pinned memory, the host node, the copy back: all queued on the
@@ -163,8 +195,7 @@ class SplitExperts:
         ready.record()
         t0 = time.perf_counter()
         ready.synchronize()
-        self.times.wait_s += time.perf_counter() - t0
-        self._compute(hx, hw, hi, hout)
+        self._compute(hx, hw, hi, hout, wait_s=time.perf_counter() - t0)
         back = b.device_out[:t]
         back.copy_(hout, non_blocking=True)
         return back

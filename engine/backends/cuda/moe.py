@@ -21,6 +21,7 @@ from dataclasses import replace
 import torch
 import torch.nn.functional as F
 
+from engine.backends.cuda.copied_experts import CopiedExperts
 from engine.backends.cuda.expert_stacking import (
     FusedExperts,
     stack_experts,
@@ -95,10 +96,17 @@ class CudaMoeOps(MoeOps):
         unquantized = moe.experts.gate_proj.format.name == "unquantized"
         kernels = self.fused is not None and setup.dtype in KERNEL_DTYPES
         # experts placed on the host: engine/backends/cuda/host_experts.py
+        # or, with expert_offload_compute "pcie", copied in when used: copied_experts.py
         self.split = None
-        if moe.experts.host is not None:
+        host = moe.experts.host
+        if host is not None and host.compute == "pcie":
+            self.split = CopiedExperts(moe.experts, setup, self.swiglu_limit,
+                                       setup.batch_invariant)  # fmt: skip
+        elif host is not None:
             self.split = SplitExperts(moe.experts, setup)
-        self.captures_decode = kernels or unquantized
+        # a copying step reads the routing back to choose what to copy
+        copying = isinstance(self.split, CopiedExperts)
+        self.captures_decode = (kernels or unquantized) and not copying
 
     def token_ids(self, x: torch.Tensor, input_ids: torch.Tensor | None) -> dict:
         """The per-call routing argument: a hash-routed layer's `token_ids` (the step's
@@ -122,7 +130,8 @@ class CudaMoeOps(MoeOps):
         from kernels.triton.fused_moe import start_shared_expert
 
         x = x.contiguous()
-        if self.split is not None and self.uses_kernels(x) and x.shape[0]:
+        copying = isinstance(self.split, CopiedExperts) and x.dtype in KERNEL_DTYPES
+        if self.split is not None and (self.uses_kernels(x) or copying) and x.shape[0]:
             return self.forward_split(moe, x, input_ids)
         if self.invariant:
             return self.forward_invariant(moe, x, input_ids)
@@ -217,7 +226,7 @@ class CudaMoeOps(MoeOps):
                 out = out + moe.shared_experts(x)
             return out
 
-        return split.forward(x.float(), weights, ids.to(torch.int32), device_experts)
+        return split.forward(x, weights, ids.to(torch.int32), device_experts)
 
     def route(
         self, moe, x: torch.Tensor, input_ids: torch.Tensor | None = None
